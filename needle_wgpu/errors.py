@@ -1,0 +1,37 @@
+"""The one exception family for everything a user can cause.
+
+Every error raised on purpose by needle-wgpu is a ``NeedleError``; callers that want to keep a
+service alive catch that one class. Subclasses say which kind of problem it was.
+"""
+
+
+class NeedleError(Exception):
+    """Base of every error needle-wgpu raises on purpose."""
+
+
+class ContainerError(NeedleError):
+    """A model file is corrupt, truncated or inconsistent with its own header."""
+
+
+class UnsupportedModelError(NeedleError):
+    """A model file is well formed but uses a feature this engine does not implement."""
+
+
+class InputError(NeedleError):
+    """A request is structurally invalid (for example tools JSON that does not parse)."""
+
+
+class DeviceError(NeedleError):
+    """The GPU device failed: no adapter, a limit the model needs is missing, or an error scope."""
+
+
+class DeviceLostError(DeviceError):
+    """The GPU device was lost; the session is unusable but a new one can be created."""
+
+
+class OutOfMemoryError(DeviceError):
+    """The GPU could not allocate what the model or session needs."""
+
+
+class DeviceLimitError(DeviceError):
+    """The model needs more than the device's limits allow (after splitting where possible)."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything needle-wgpu needs on a fresh Debian 12 machine (run as root or with sudo).
+#   bash setup.sh         runtime: Mesa lavapipe (a Vulkan GPU on the CPU) + the package
+#   bash setup.sh --dev   also the test tools: numpy, pytest, hypothesis, playwright, Chromium
+set -euo pipefail
+cd "$(dirname "$0")"
+dev=0
+[ "${1:-}" = "--dev" ] && dev=1
+
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+packages="mesa-vulkan-drivers libvulkan1"
+[ "$dev" = 1 ] && packages="$packages chromium"
+missing=""
+for p in $packages; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
+fi
+
+python3 -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+if [ "$dev" = 1 ]; then
+  python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+else
+  python3 -m pip install -q --disable-pip-version-check -e .
+fi

@@ -1,0 +1,1 @@
+"""WGSL sources of needle-wgpu: one file per kernel family (shipped inside the wheel)."""
