@@ -1,0 +1,276 @@
+"""The device layer: what model code may ask of a GPU, independent of the back end.
+
+Model code talks only to ``Device``; ``native.py`` implements it over wgpu-py on the desktop and
+``browser.py`` over Pyodide's JS FFI. Everything here is plain Python (no numpy): it also runs
+in the browser.
+
+Design (spec anchors): pipelines cached by a hashable ``KernelKey``; bind groups built once per
+shape by the caller and replayed; per-dispatch parameters live in one uniform arena written at
+build time; a ``Plan`` is a prebuilt list of dispatches that one ``run`` records into a single
+compute pass and a single submit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DeviceError, DeviceLimitError
+
+UNIFORM_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """One pipeline: a WGSL file of shaders/, an entry point, and the constants it is built with.
+
+    ``consts`` are (NAME, value) pairs prepended to the source as WGSL ``const`` declarations:
+    variants (bit width, workgroup size, tile) are explicit and hashable.
+    """
+
+    family: str
+    entry: str = "main"
+    consts: tuple = ()
+
+    def header(self) -> str:
+        lines = []
+        for name, value in self.consts:
+            if isinstance(value, bool):
+                lines.append(f"const {name}: bool = {'true' if value else 'false'};")
+            elif isinstance(value, float):
+                lines.append(f"const {name}: f32 = {value!r};")
+            elif value < 0:
+                lines.append(f"const {name}: i32 = {value};")
+            else:
+                lines.append(f"const {name}: u32 = {value}u;")
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_storage_binding: int
+    max_buffer: int
+    max_workgroup_storage: int
+    max_invocations: int
+    max_storage_buffers: int
+
+
+@dataclass
+class Buffer:
+    """A GPU buffer: the back end's handle plus its size and a label for messages."""
+
+    handle: object
+    size: int
+    label: str
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A range of a buffer bound to one binding slot (the whole buffer when size is None)."""
+
+    buffer: Buffer
+    offset: int = 0
+    size: int | None = None
+
+
+@dataclass
+class Dispatch:
+    pipeline: object
+    bind_group: object
+    groups: tuple
+    label: str = ""
+
+
+@dataclass
+class Counters:
+    """What the benchmark reports: work submitted and bytes moved, counted at the device layer."""
+
+    dispatches: int = 0
+    submits: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    bytes_allocated: dict = field(default_factory=dict)
+
+    def allocate(self, kind: str, size: int) -> None:
+        self.bytes_allocated[kind] = self.bytes_allocated.get(kind, 0) + size
+
+
+def _read_shader_file(name: str) -> str:
+    here = Path(__file__).resolve().parents[2] / "shaders" / name
+    if here.exists():
+        return here.read_text()
+    from importlib import resources
+
+    return resources.files("needle_wgpu.shaders").joinpath(name).read_text()
+
+
+def shader_source(family: str) -> str:
+    """The WGSL text of one kernel family, from the source tree or the installed wheel.
+
+    A line ``//#include NAME.wgsl`` is replaced by that file (shared helpers such as the FWHT):
+    WGSL has no includes, and one copy of each helper keeps desktop and browser in step.
+    """
+    lines = []
+    for line in _read_shader_file(f"{family}.wgsl").splitlines():
+        if line.startswith("//#include "):
+            lines.append(_read_shader_file(line.split()[1]))
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+class UniformArena:
+    """All kernel parameters in one uniform buffer, each dispatch at an aligned offset.
+
+    Parameters are packed as 32-bit words (u32 for ints, f32 for floats) in the order given;
+    WGSL structs of scalars match this layout.
+    """
+
+    def __init__(self, device: "Device", capacity: int = 1 << 16, label: str = "uniforms"):
+        self.device = device
+        self.capacity = capacity
+        self.buffer = device.buffer(capacity, label=label, usage="uniform")
+        self.used = 0
+
+    def add(self, *values) -> Binding:
+        data = pack_words(values)
+        size = max(16, (len(data) + 15) // 16 * 16)
+        if self.used + size > self.capacity:
+            self._grow(max(self.capacity * 2, self.used + size + UNIFORM_ALIGN))
+        offset = self.used
+        self.device.write(self.buffer, data.ljust(size, b"\0"), offset)
+        self.used = (offset + size + UNIFORM_ALIGN - 1) // UNIFORM_ALIGN * UNIFORM_ALIGN
+        return Binding(self.buffer, offset, size)
+
+    def _grow(self, capacity):
+        raise DeviceError(f"uniform arena full ({self.capacity} bytes); build plans with a larger arena")
+
+
+def pack_words(values) -> bytes:
+    out = bytearray()
+    for value in values:
+        if isinstance(value, float):
+            out += struct.pack("<f", value)
+        else:
+            out += struct.pack("<I", value & 0xFFFFFFFF)
+    return bytes(out)
+
+
+class Plan:
+    """A prebuilt sequence of dispatches, replayed as one compute pass and one submit."""
+
+    def __init__(self, device: "Device", label: str):
+        self.device = device
+        self.label = label
+        self.dispatches: list = []
+
+    def add(self, key: KernelKey, bindings: list, groups, label: str = "") -> None:
+        pipeline = self.device.pipeline(key)
+        bind_group = self.device.bind_group(pipeline, bindings)
+        groups = tuple(groups) + (1,) * (3 - len(tuple(groups)))
+        limit = self.device.max_workgroups_per_dimension
+        if any(g > limit for g in groups):
+            raise DeviceLimitError(f"{label or key.family}: {groups} workgroups exceed {limit} per dimension")
+        if all(g > 0 for g in groups):
+            self.dispatches.append(Dispatch(pipeline, bind_group, groups, label or key.family))
+
+    def __len__(self) -> int:
+        return len(self.dispatches)
+
+
+class Device:
+    """Abstract device. Back ends implement the primitives; everything else is shared here."""
+
+    limits: Limits
+    adapter_name: str = "unknown"
+    max_workgroups_per_dimension: int = 65535
+
+    def __init__(self):
+        self.counters = Counters()
+        self._pipelines: dict = {}
+
+    # -- primitives a back end provides -------------------------------------------------------
+    def _create_buffer(self, size: int, usage: str, label: str):
+        raise NotImplementedError
+
+    def _write(self, handle, data, offset: int) -> None:
+        raise NotImplementedError
+
+    def _read(self, handle, offset: int, size: int) -> bytes:
+        raise NotImplementedError
+
+    def _create_pipeline(self, source: str, entry: str, label: str):
+        raise NotImplementedError
+
+    def _create_bind_group(self, pipeline, bindings: list):
+        raise NotImplementedError
+
+    def _submit(self, dispatches: list, copies: list) -> None:
+        raise NotImplementedError
+
+    def preamble(self) -> str:
+        """Back-end specific WGSL directives (``enable`` lines) put before every source."""
+        return ""
+
+    def destroy(self) -> None:
+        raise NotImplementedError
+
+    # -- shared behaviour --------------------------------------------------------------------
+    def buffer(self, size: int, *, label: str, usage: str = "storage", data=None, kind: str = "scratch") -> Buffer:
+        """A zero-initialised buffer (``usage`` is "storage", "uniform" or "readback")."""
+        size = max(16, (int(size) + 15) // 16 * 16)
+        if size > self.limits.max_buffer:
+            raise DeviceLimitError(f"{label}: {size} bytes exceeds the device's maxBufferSize {self.limits.max_buffer}")
+        buffer = Buffer(self._create_buffer(size, usage, label), size, label)
+        self.counters.allocate(kind, size)
+        if data is not None:
+            self.write(buffer, data)
+        return buffer
+
+    def write(self, buffer: Buffer, data, offset: int = 0) -> None:
+        data = memoryview(data).cast("B")
+        if len(data) % 4:
+            data = memoryview(bytes(data) + b"\0" * (4 - len(data) % 4))
+        if offset + len(data) > buffer.size:
+            raise DeviceError(f"{buffer.label}: write of {len(data)} bytes at {offset} overflows {buffer.size}")
+        self._write(buffer.handle, data, offset)
+        self.counters.bytes_written += len(data)
+
+    def read(self, buffer: Buffer, size: int | None = None, offset: int = 0) -> bytes:
+        """Copy back ``size`` bytes (a multiple of 4) and wait for them."""
+        size = buffer.size - offset if size is None else size
+        data = self._read(buffer.handle, offset, size)
+        self.counters.bytes_read += size
+        return data
+
+    def pipeline(self, key: KernelKey):
+        cached = self._pipelines.get(key)
+        if cached is None:
+            source = self.preamble() + key.header() + shader_source(key.family)
+            cached = self._create_pipeline(source, key.entry, f"{key.family}.{key.entry}")
+            self._pipelines[key] = cached
+        return cached
+
+    def bind_group(self, pipeline, bindings: list):
+        resolved = []
+        for b in bindings:
+            b = b if isinstance(b, Binding) else Binding(b)
+            size = b.buffer.size - b.offset if b.size is None else b.size
+            if size > self.limits.max_storage_binding:
+                raise DeviceLimitError(
+                    f"{b.buffer.label}: binding of {size} bytes exceeds maxStorageBufferBindingSize "
+                    f"{self.limits.max_storage_binding}")
+            resolved.append(Binding(b.buffer, b.offset, size))
+        return self._create_bind_group(pipeline, resolved)
+
+    def run(self, *plans: Plan, copies: list = ()) -> None:
+        """Record every dispatch of the plans into one pass and submit once."""
+        dispatches = [d for plan in plans for d in plan.dispatches]
+        self._submit(dispatches, list(copies))
+        self.counters.dispatches += len(dispatches)
+        self.counters.submits += 1
+
+    @property
+    def pipeline_count(self) -> int:
+        return len(self._pipelines)

@@ -1,0 +1,136 @@
+"""The desktop back end of the device layer, over wgpu-py (Vulkan, Metal, D3D12; lavapipe in CI)."""
+
+from __future__ import annotations
+
+from ..errors import DeviceError, DeviceLostError, OutOfMemoryError
+from .device import Device, Limits
+
+# Limits the model may use: take everything the adapter offers, up to these values.
+WANTED_LIMITS = {
+    "max-storage-buffer-binding-size": 1 << 30,
+    "max-buffer-size": 1 << 31,
+    "max-compute-workgroup-storage-size": 32768,
+    "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256,
+    "max-storage-buffers-per-shader-stage": 10,
+}
+
+
+def _translate(exc: Exception, what: str) -> DeviceError:
+    text = f"{what}: {exc}"
+    lowered = text.lower()
+    if "lost" in lowered or "destroyed" in lowered or "invalid device" in lowered:
+        return DeviceLostError(text)
+    if "out of memory" in lowered or "outofmemory" in lowered:
+        return OutOfMemoryError(text)
+    return DeviceError(text)
+
+
+class NativeDevice(Device):
+    """wgpu-py device. ``max_storage_binding`` lowers the binding limit (to test tensor splitting)."""
+
+    def __init__(self, max_storage_binding: int | None = None, power_preference: str = "high-performance"):
+        super().__init__()
+        try:
+            import wgpu
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise DeviceError(f"wgpu-py is not installed ({exc}); pip install wgpu") from None
+        self._wgpu = wgpu
+        try:
+            adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+        except Exception as exc:
+            raise DeviceError(f"no WebGPU adapter: {exc}") from None
+        if adapter is None:
+            raise DeviceError("no WebGPU adapter (on Linux without a GPU, install mesa-vulkan-drivers)")
+        offered = adapter.limits
+        wanted = {k: min(v, offered[k]) for k, v in WANTED_LIMITS.items() if k in offered}
+        try:
+            self._device = adapter.request_device_sync(required_limits=wanted)
+        except Exception as exc:
+            raise _translate(exc, "request_device") from None
+        info = adapter.info
+        self.adapter_name = f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')})"
+        lim = self._device.limits
+        binding = lim["max-storage-buffer-binding-size"]
+        if max_storage_binding is not None:
+            binding = min(binding, max_storage_binding)
+        self.limits = Limits(
+            max_storage_binding=binding,
+            max_buffer=lim["max-buffer-size"],
+            max_workgroup_storage=lim["max-compute-workgroup-storage-size"],
+            max_invocations=lim["max-compute-invocations-per-workgroup"],
+            max_storage_buffers=lim["max-storage-buffers-per-shader-stage"],
+        )
+        self.max_workgroups_per_dimension = lim["max-compute-workgroups-per-dimension"]
+        self._usage = {
+            "storage": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC,
+            "uniform": wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST,
+            "readback": wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+        }
+        self.lost = False
+
+    def _guard(self, what):
+        if self.lost:
+            raise DeviceLostError(f"{what}: the GPU device was lost or destroyed; create a new session")
+
+    def _create_buffer(self, size, usage, label):
+        self._guard(label)
+        try:
+            return self._device.create_buffer(size=size, usage=self._usage[usage], label=label)
+        except Exception as exc:
+            raise _translate(exc, f"allocating {label} ({size} bytes)") from None
+
+    def _write(self, handle, data, offset):
+        self._guard("write")
+        self._device.queue.write_buffer(handle, offset, data)
+
+    def _read(self, handle, offset, size):
+        self._guard("read")
+        try:
+            return bytes(self._device.queue.read_buffer(handle, offset, size))
+        except Exception as exc:
+            raise _translate(exc, "reading back") from None
+
+    def _create_pipeline(self, source, entry, label):
+        self._guard(label)
+        try:
+            module = self._device.create_shader_module(code=source, label=label)
+            return self._device.create_compute_pipeline(
+                layout="auto", compute={"module": module, "entry_point": entry}, label=label)
+        except Exception as exc:
+            raise _translate(exc, f"compiling {label}") from None
+
+    def _create_bind_group(self, pipeline, bindings):
+        layout = pipeline.get_bind_group_layout(0)
+        entries = [{"binding": i, "resource": {"buffer": b.buffer.handle, "offset": b.offset, "size": b.size}}
+                   for i, b in enumerate(bindings)]
+        try:
+            return self._device.create_bind_group(layout=layout, entries=entries)
+        except Exception as exc:
+            raise _translate(exc, "creating a bind group") from None
+
+    def _submit(self, dispatches, copies):
+        self._guard("submit")
+        try:
+            encoder = self._device.create_command_encoder()
+            if dispatches:
+                compute = encoder.begin_compute_pass()
+                for d in dispatches:
+                    compute.set_pipeline(d.pipeline)
+                    compute.set_bind_group(0, d.bind_group)
+                    compute.dispatch_workgroups(*d.groups)
+                compute.end()
+            for source, src_offset, target, dst_offset, size in copies:
+                encoder.copy_buffer_to_buffer(source.handle, src_offset, target.handle, dst_offset, size)
+            self._device.queue.submit([encoder.finish()])
+        except Exception as exc:
+            raise _translate(exc, "submitting work") from None
+
+    def destroy(self) -> None:
+        """Destroy the device (also how tests simulate a device loss)."""
+        if not self.lost:
+            self.lost = True
+            try:
+                self._device.destroy()
+            except Exception:
+                pass

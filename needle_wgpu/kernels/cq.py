@@ -1,0 +1,164 @@
+"""CQ weights on the GPU (spec §5): upload in quantised form, prepare activations, matmul.
+
+Reference functions: ``needle_wgpu.reference.cq.prepare_input`` and ``matmul_prepared``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+from ..errors import DeviceLimitError, UnsupportedModelError
+from ..formats.cact import TERNARY, CactFile
+from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
+
+# Offsets of each width's level table inside the levels buffer (16 floats per width).
+LEVEL_BASE = {2: 0, 3: 16, 4: 32, TERNARY: 48}
+CODE_BITS = {2: 2, 3: 3, 4: 4, TERNARY: 2}
+MATMUL_ROWS = 8
+
+
+def levels_bytes(cact: CactFile) -> bytes:
+    """Level tables of every width, padded to 16 entries; ternary maps crumbs to levels (§5.2)."""
+    out = bytearray()
+    for bits in (2, 3, 4):
+        table = list(cact.levels(bits))
+        out += struct.pack("<16f", *(table + [0.0] * (16 - len(table))))
+    group = next(t.group for t in cact.tensors.values() if t.is_cq)
+    c = 1.2240064 / math.sqrt(group)
+    # crumb 0 -> 0, 1 -> +c, 2 -> invalid (0, as the Rust reader does), 3 -> -c
+    out += struct.pack("<16f", 0.0, c, 0.0, -c, *([0.0] * 12))
+    return bytes(out)
+
+
+def fwht_scale(group: int) -> float:
+    """The f32 value of 1/sqrt(G) (§3), rounded once on the host."""
+    return struct.unpack("<f", struct.pack("<f", 1.0 / math.sqrt(group)))[0]
+
+
+@dataclass
+class CQSlice:
+    """One GPU buffer holding rows [first, first + rows) of a pack (codes, then norms)."""
+
+    buffer: object
+    first: int
+    rows: int
+
+
+@dataclass
+class CQPack:
+    """CQ tensors with the same input width, group and bits, concatenated along rows."""
+
+    name: str
+    slices: list
+    rows: int
+    cols: int
+    group: int
+    bits: int
+
+    @property
+    def in_pad(self) -> int:
+        return (self.cols + self.group - 1) // self.group * self.group
+
+    @property
+    def groups(self) -> int:
+        return self.in_pad // self.group
+
+    @property
+    def row_words(self) -> int:
+        return self.in_pad * CODE_BITS[self.bits] // 32
+
+
+def upload_pack(device: Device, name: str, tensors: list) -> CQPack:
+    """Upload CQ tensors straight from the file's memoryviews (no dequantised copy).
+
+    A pack larger than the device's storage-binding limit is split along rows into several
+    buffers; ``matmul`` dispatches once per buffer.
+    """
+    first = tensors[0]
+    for t in tensors:
+        if (t.cols, t.group, t.bits) != (first.cols, first.group, first.bits):
+            raise UnsupportedModelError(f"{name}: tensors of a pack differ in width, group or bits")
+    if first.group % 32:
+        raise UnsupportedModelError(f"{t.name}: CQ group {first.group} is not a multiple of 32")
+    total_rows = sum(t.rows for t in tensors)
+    pack = CQPack(name, [], total_rows, first.cols, first.group, first.bits)
+    row_bytes, norm_bytes = pack.row_words * 4, pack.groups * 2
+    per_row = row_bytes + norm_bytes
+    limit = device.limits.max_storage_binding
+    rows_per_slice = min(total_rows, max(2, (limit - 16) // per_row) // 2 * 2)
+    if rows_per_slice < 2:
+        raise DeviceLimitError(f"{name}: one row ({per_row} bytes) exceeds the binding limit {limit}")
+    start = 0
+    while start < total_rows:
+        rows = min(rows_per_slice, total_rows - start)
+        norm_at = rows * row_bytes
+        size = norm_at + (rows * norm_bytes + 3) // 4 * 4
+        buffer = device.buffer(size, label=f"{name}[{start}:{start + rows}]", kind="weights")
+        _write_rows(device, buffer, tensors, start, rows, row_bytes, norm_bytes, norm_at)
+        pack.slices.append(CQSlice(buffer, start, rows))
+        start += rows
+    return pack
+
+
+def _write_rows(device, buffer, tensors, start, rows, row_bytes, norm_bytes, norm_at):
+    """Copy pack rows [start, start+rows) of the tensors into one slice buffer."""
+    offset_rows, written = 0, 0
+    for t in tensors:
+        lo, hi = max(start, offset_rows), min(start + rows, offset_rows + t.rows)
+        if lo < hi:
+            a, b = lo - offset_rows, hi - offset_rows
+            device.write(buffer, t.codes[a * row_bytes : b * row_bytes], written * row_bytes)
+            norms = t.norms[a * norm_bytes : b * norm_bytes]
+            at = norm_at + written * norm_bytes
+            if at % 4 or len(norms) % 4:
+                # Odd half-word alignment: merge with the neighbouring norm bytes on the host.
+                _write_unaligned(device, buffer, at, bytes(norms))
+            else:
+                device.write(buffer, norms, at)
+            written += b - a
+        offset_rows += t.rows
+
+
+def _write_unaligned(device, buffer, at, data):
+    begin = at // 4 * 4
+    end = (at + len(data) + 3) // 4 * 4
+    current = bytearray(device.read(buffer, end - begin, begin))
+    current[at - begin : at - begin + len(data)] = data
+    device.write(buffer, bytes(current), begin)
+
+
+def prepare(plan: Plan, arena: UniformArena, x, xh, *, width: int, group: int, positions: int,
+            x_stride: int, x_offset: int = 0, y_stride: int | None = None, y_offset: int = 0) -> None:
+    """xh[t] = per-group normalised FWHT of x[t] padded to in_pad (§5.5.1)."""
+    in_pad = (width + group - 1) // group * group
+    cap = max(256, 1 << (in_pad - 1).bit_length())
+    key = KernelKey("cq_prepare", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
+    params = arena.add(width, in_pad, x_stride, x_offset, y_stride or in_pad, y_offset, 0, 0)
+    plan.add(key, [params, x, xh], (positions,), label="cq_prepare")
+
+
+def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, positions: int,
+           x_stride: int, y_stride: int, x_offset: int = 0, y_offset: int = 0, row_start: int = 0,
+           rows: int | None = None, x_block_rows: int = 0, x_block_stride: int = 0,
+           tile: int | None = None) -> None:
+    """y[t, row - row_start] = W[row] . xh[t] for the pack rows [row_start, row_start + rows)."""
+    rows = pack.rows - row_start if rows is None else rows
+    tile = tile or (1 if positions == 1 else 8)
+    key = KernelKey("cq_matmul", consts=(("CODE_BITS", CODE_BITS[pack.bits]), ("LEVEL_BASE", LEVEL_BASE[pack.bits]),
+                                          ("TT", tile), ("ROWS", MATMUL_ROWS)))
+    end = row_start + rows
+    for piece in pack.slices:
+        lo, hi = max(row_start, piece.first), min(end, piece.first + piece.rows)
+        if lo >= hi:
+            continue
+        done = lo - row_start
+        if x_block_rows and done % x_block_rows and (hi - lo) > x_block_rows - done % x_block_rows:
+            raise DeviceLimitError(f"{pack.name}: a split crosses an input block; raise the binding limit")
+        block_shift = (done // x_block_rows) * x_block_stride if x_block_rows else 0
+        params = arena.add(hi - lo, lo - piece.first, pack.row_words, pack.groups, piece.rows * pack.row_words,
+                           pack.group // 32, positions, x_stride, x_offset + block_shift,
+                           x_block_rows, x_block_stride, y_stride, y_offset + done, 0, 0, 0)
+        groups = ((hi - lo + MATMUL_ROWS - 1) // MATMUL_ROWS, (positions + tile - 1) // tile)
+        plan.add(key, [params, Binding(piece.buffer), levels, xh, y], groups, label=f"matmul {pack.name}")

@@ -1,0 +1,190 @@
+"""Primitive operations of Needle 3 in NumPy float32 (spec §3, plus the RoPE of §4.5 item 7,
+the causal convolutions of §4.2/§4.5 item 4 and the per-head norm of §0 item 2).
+
+Every function is pure: arrays in, a new array out, nothing cached. They act on the last axis
+and broadcast over any leading axes (positions, heads), so the same function serves a whole
+prefill chunk and a single decode step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+EPS = F32(1e-6)  # §3: one epsilon everywhere, always inside the square root
+SINKHORN_ITERATIONS = 20
+
+
+def _inv_rms(x: np.ndarray) -> np.ndarray:
+    """1 / sqrt(mean(x²) + ε) over the last axis, kept as a trailing axis of length 1 (§3)."""
+    mean_square = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    return F32(1) / np.sqrt(mean_square + EPS)
+
+
+def rms_unit(x: np.ndarray) -> np.ndarray:
+    """rms_unit(x) = x · 1/sqrt(mean(x²) + ε), no learned scale (§3)."""
+    return x * _inv_rms(x)
+
+
+def zc_rms_norm(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """ZCRMSNorm(x; s) = (1 + s) · x · 1/sqrt(mean(x²) + ε); no mean is subtracted (§3)."""
+    return (F32(1) + scale) * x * _inv_rms(x)
+
+
+def head_norm(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Per-head q/k norm (§4.5 item 6) in the division form of §0 item 2:
+    (1 + s) · x / sqrt(mean(x²) + ε). x is [..., heads, head_dim]; s is shared by all heads."""
+    mean_square = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    return (F32(1) + scale) * x / np.sqrt(mean_square + EPS)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """σ(x) = 1 / (1 + e^(−x)) (conventions)."""
+    return F32(1) / (F32(1) + np.exp(-x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """silu(x) = x · σ(x) (§0 item 9)."""
+    return x * sigmoid(x)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Max-subtracted softmax, divided by the sum (§3; §0 item 2 for the HadaMLP cond)."""
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def logsumexp(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """max + ln Σ exp(x − max) over one axis, the axis kept with length 1 (§3)."""
+    top = np.max(x, axis=axis, keepdims=True)
+    return top + np.log(np.sum(np.exp(x - top), axis=axis, keepdims=True))
+
+
+def sinkhorn(logits: np.ndarray, iterations: int = SINKHORN_ITERATIONS) -> np.ndarray:
+    """Log-domain Sinkhorn over the last two axes (§3): every iteration normalises the rows,
+    then the columns; the result exp(M) is (nearly) doubly stochastic."""
+    m = np.array(logits, dtype=F32)
+    for _ in range(iterations):
+        m = m - logsumexp(m, axis=-1)  # each row i: M[i, :] −= lse(M[i, :])
+        m = m - logsumexp(m, axis=-2)  # each column j: M[:, j] −= lse(M[:, j])
+    return np.exp(m)
+
+
+# ---------------------------------------------------------------------------- quantisation
+
+
+def quantize_rows(x: np.ndarray, bits: int = 8) -> tuple:
+    """Symmetric per-vector quantisation over the last axis (§3 fake_quant, §6 quantize_rows).
+
+    Returns (integers, scale): scale = absmax / qmax (1 when the vector is all zeros) with
+    qmax = 2^(bits−1) − 1, integers = clip(round(x / scale), −qmax − 1, qmax). As §3 recommends
+    for faithfulness to upstream, x is divided by the scale and ties round half to even; using
+    the same rule for the int8 cache makes fake_quant(x) == integers · scale exactly (§6).
+    The integers are int8 for bits ≤ 8, int32 otherwise; scale keeps a trailing axis of 1.
+    """
+    qmax = F32(2 ** (bits - 1) - 1)
+    absmax = np.max(np.abs(x), axis=-1, keepdims=True)
+    scale = np.where(absmax > 0, absmax / qmax, F32(1)).astype(F32)
+    integers = np.clip(np.round(x / scale), -qmax - 1, qmax)  # np.round: half to even
+    return integers.astype(np.int8 if bits <= 8 else np.int32), scale
+
+
+def fake_quant(x: np.ndarray, bits: int = 8) -> np.ndarray:
+    """fake_quant(x, bits) over the whole last axis (§3): quantise, then dequantise to f32."""
+    integers, scale = quantize_rows(x, bits)
+    return integers.astype(F32) * scale
+
+
+# ---------------------------------------------------------------------------- Hadamard
+
+
+def fwht(x: np.ndarray, group: int) -> np.ndarray:
+    """Normalised Walsh–Hadamard transform of every `group`-long chunk of the last axis (§3).
+
+    Sylvester (natural) order, butterflies h = 1, 2, … group/2, then one multiply by the f32
+    value of 1/sqrt(group). The last axis must be a multiple of `group`.
+    """
+    if group & (group - 1) or x.shape[-1] % group:
+        raise ValueError(f"fwht: width {x.shape[-1]} is not a multiple of the power of two {group}")
+    lead = x.shape[:-1]
+    v = np.array(x, dtype=F32).reshape(-1, group)
+    h = 1
+    while h < group:
+        # Split each chunk into blocks of 2h: a = first half, b = second half (v[j], v[j+h]).
+        blocks = v.reshape(v.shape[0], group // (2 * h), 2, h)
+        a, b = blocks[:, :, 0, :], blocks[:, :, 1, :]
+        v = np.stack((a + b, a - b), axis=2).reshape(-1, group)
+        h *= 2
+    return (v * F32(1.0 / np.sqrt(group))).reshape(*lead, x.shape[-1])
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, computed in f32 (§4.5 item 7)."""
+    exponents = np.arange(0, head_dim, 2, dtype=F32) / F32(head_dim)
+    return F32(1) / np.power(F32(theta), exponents, dtype=F32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """Half-split ("NeoX") rotary embedding (§4.5 item 7).
+
+    x is [T, heads, head_dim] and positions [T] the absolute positions (BOS is 0). Element i
+    pairs with i + head_dim/2: (x_i, x_j) ← (x_i·c − x_j·s, x_j·c + x_i·s), angle = f32(t)·f_i.
+    """
+    half = x.shape[-1] // 2
+    angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(x.shape[-1], theta)
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]  # broadcast over heads
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
+
+
+# ---------------------------------------------------------------------------- convolutions
+
+
+def causal_conv(x: np.ndarray, taps: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
+    """Per-channel causal convolution over positions (§4.5 item 4, §6 item 2).
+
+    out_t = Σ_j taps[j] ⊙ x_{t−j}; tap 0 multiplies the current position. x is [T, C], taps
+    [K, C]. `tail` holds the K−1 inputs just before x (most recent last), as a decode cache keeps
+    them; without it the inputs before the sequence are zero.
+    """
+    k = taps.shape[0]
+    if tail is None:
+        tail = np.zeros((k - 1, x.shape[1]), F32)
+    padded = np.concatenate((tail, x), axis=0)  # padded[k−1+t] = x_t
+    out = np.zeros_like(x, dtype=F32)
+    for j in range(k):
+        out += taps[j] * padded[k - 1 - j : k - 1 - j + x.shape[0]]
+    return out
+
+
+def dilated_causal_conv(x: np.ndarray, taps: np.ndarray, dilation: int, positions: np.ndarray,
+                        min_history: int, tail: np.ndarray | None = None) -> np.ndarray:
+    """The Engram value convolution (§4.2, §6 item 3): out_p = Σ_j taps[j] ⊙ x_{p − j·dilation}.
+
+    Tap j is skipped at absolute position p when j·dilation > p or p < j·min_history, both
+    conditions of §4.2 (upstream gates tap j by mask validity at offset j·max(orders)).
+    x is [T, C] at `positions`; `tail` holds the (K−1)·dilation inputs before x, most recent last.
+    """
+    k = taps.shape[0]
+    span = (k - 1) * dilation
+    if tail is None:
+        tail = np.zeros((span, x.shape[1]), F32)
+    padded = np.concatenate((tail, x), axis=0)  # padded[span+t] = x_t
+    positions = np.asarray(positions)
+    out = np.zeros_like(x, dtype=F32)
+    for j in range(k):
+        shift = j * dilation
+        used = ((shift <= positions) & (positions >= j * min_history))[:, None]
+        out += np.where(used, taps[j] * padded[span - shift : span - shift + x.shape[0]], F32(0))
+    return out
+
+
+def conv_tail(tail: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The next tail of a causal convolution: the last len(tail) inputs of tail ++ x (§6 item 2)."""
+    keep = tail.shape[0]
+    if keep == 0:
+        return tail
+    return np.concatenate((tail, x), axis=0)[-keep:].copy()
