@@ -35,3 +35,7 @@ class OutOfMemoryError(DeviceError):
 
 class DeviceLimitError(DeviceError):
     """The model needs more than the device's limits allow (after splitting where possible)."""
+
+
+class ContextFullError(NeedleError):
+    """A session reached the model's max_seq_len; nothing more fits (Needle 3 spec §0 item 8)."""

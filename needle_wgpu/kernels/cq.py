@@ -70,19 +70,23 @@ class CQPack:
         return self.in_pad * CODE_BITS[self.bits] // 32
 
 
-def upload_pack(device: Device, name: str, tensors: list) -> CQPack:
+def upload_pack(device: Device, name: str, parts: list) -> CQPack:
     """Upload CQ tensors straight from the file's memoryviews (no dequantised copy).
 
-    A pack larger than the device's storage-binding limit is split along rows into several
-    buffers; ``matmul`` dispatches once per buffer.
+    ``parts`` are tensors or (tensor, first_row, end_row) row ranges, stacked in order (the mHC
+    pack interleaves the three phi matrices layer by layer so one layer is one band). A pack
+    larger than the device's storage-binding limit is split along rows into several buffers;
+    ``matmul`` dispatches once per buffer.
     """
+    segments = [p if isinstance(p, tuple) else (p, 0, p.rows) for p in parts]
+    tensors = [t for t, _, _ in segments]
     first = tensors[0]
     for t in tensors:
         if (t.cols, t.group, t.bits) != (first.cols, first.group, first.bits):
             raise UnsupportedModelError(f"{name}: tensors of a pack differ in width, group or bits")
     if first.group % 32:
         raise UnsupportedModelError(f"{t.name}: CQ group {first.group} is not a multiple of 32")
-    total_rows = sum(t.rows for t in tensors)
+    total_rows = sum(hi - lo for _, lo, hi in segments)
     pack = CQPack(name, [], total_rows, first.cols, first.group, first.bits)
     row_bytes, norm_bytes = pack.row_words * 4, pack.groups * 2
     per_row = row_bytes + norm_bytes
@@ -96,19 +100,20 @@ def upload_pack(device: Device, name: str, tensors: list) -> CQPack:
         norm_at = rows * row_bytes
         size = norm_at + (rows * norm_bytes + 3) // 4 * 4
         buffer = device.buffer(size, label=f"{name}[{start}:{start + rows}]", kind="weights")
-        _write_rows(device, buffer, tensors, start, rows, row_bytes, norm_bytes, norm_at)
+        _write_rows(device, buffer, segments, start, rows, row_bytes, norm_bytes, norm_at)
         pack.slices.append(CQSlice(buffer, start, rows))
         start += rows
     return pack
 
 
-def _write_rows(device, buffer, tensors, start, rows, row_bytes, norm_bytes, norm_at):
-    """Copy pack rows [start, start+rows) of the tensors into one slice buffer."""
+def _write_rows(device, buffer, segments, start, rows, row_bytes, norm_bytes, norm_at):
+    """Copy pack rows [start, start+rows) of the segments into one slice buffer."""
     offset_rows, written = 0, 0
-    for t in tensors:
-        lo, hi = max(start, offset_rows), min(start + rows, offset_rows + t.rows)
+    for t, first_row, end_row in segments:
+        count = end_row - first_row
+        lo, hi = max(start, offset_rows), min(start + rows, offset_rows + count)
         if lo < hi:
-            a, b = lo - offset_rows, hi - offset_rows
+            a, b = lo - offset_rows + first_row, hi - offset_rows + first_row
             device.write(buffer, t.codes[a * row_bytes : b * row_bytes], written * row_bytes)
             norms = t.norms[a * norm_bytes : b * norm_bytes]
             at = norm_at + written * norm_bytes
@@ -118,7 +123,7 @@ def _write_rows(device, buffer, tensors, start, rows, row_bytes, norm_bytes, nor
             else:
                 device.write(buffer, norms, at)
             written += b - a
-        offset_rows += t.rows
+        offset_rows += count
 
 
 def _write_unaligned(device, buffer, at, data):

@@ -26,7 +26,7 @@ def level_table(bits: int, group: int, codebook_levels) -> np.ndarray:
     as 0 as in Rust; c = 1.2240064 / sqrt(G).
     """
     if bits == cact.TERNARY:
-        c = TERNARY_LEVEL / np.sqrt(group)
+        c = F32(TERNARY_LEVEL) / F32(np.sqrt(group))
         return np.array([0.0, c, 0.0, -c], dtype=F32)
     levels = np.asarray(codebook_levels, dtype=F32)
     if levels.shape != (1 << bits,):

@@ -7,6 +7,8 @@ convolution, and a block mixes the value in with a sigmoid gate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import cq
@@ -15,6 +17,16 @@ from .ops import F32, dilated_causal_conv, rms_unit, sigmoid
 U32 = 0xFFFFFFFF
 SEED_STEP = 0x9E3779B9
 HASH_PRIME = 0x01000193
+
+
+@dataclass(frozen=True, eq=False)
+class EngramSite:
+    """One site's own weights (§8 records 552 + 4s …)."""
+
+    tables: cq.CQMatrix  # [tables·slots, sub_dim]; row tb·slots + idx
+    key_proj: cq.CQMatrix  # [d, tables·sub_dim]
+    value_proj: cq.CQMatrix  # [d, tables·sub_dim]
+    taps: np.ndarray  # [conv_taps, d], indexed [j, channel]
 
 
 def table_seed(order_index: int, head: int, seed_heads: int, heads: int) -> int:

@@ -43,13 +43,12 @@ def lane_norm(lanes: np.ndarray) -> np.ndarray:
 
 
 def lane_products(phi_pre: cq.CQMatrix, phi_post: cq.CQMatrix, phi_res: cq.CQMatrix,
-                  layer: int, nx: np.ndarray) -> tuple:
-    """The three φ bands of layer l against one prepared nx (§4.4, §4.7, §5.5.3).
+                  layer: int, nx: np.ndarray, n: int) -> tuple:
+    """The three φ bands of layer l (n lanes) against one prepared nx (§4.4, §4.7, §5.5.3).
 
     Returns pre [T, n], post [T, n] and res [T, n, n] from rows l·n … l·n+n−1 of φ_pre/φ_post
     and l·n² … l·n²+n²−1 of φ_res.
     """
-    n = phi_pre.rows // (phi_res.rows // phi_pre.rows)
     prepared = cq.prepare_input(nx, phi_pre.group)
     pre = cq.matmul_prepared(phi_pre, prepared, layer * n, n)
     post = cq.matmul_prepared(phi_post, prepared, layer * n, n)

@@ -1,0 +1,242 @@
+"""Needle 3 on the GPU: weights uploaded once, sessions with a preallocated cache, and the
+prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's forward (§4).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ..errors import ContextFullError, NeedleError
+from ..formats.cact import CactFile
+from ..gpu.device import Binding, Device, Plan, UniformArena
+from ..kernels import attention as attention_ops
+from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
+from ..kernels import sample as sample_ops
+from ..kernels.params import Fp16Store, permutation_words
+from ..sampling import Sampling
+
+PREFILL_CHUNK = 64
+F32 = 4
+
+
+class Needle3Gpu:
+    """The model's weights on a device, in quantised form (no dequantised copies)."""
+
+    def __init__(self, device: Device, container: CactFile, progress=None):
+        self.device = device
+        self.cact = container
+        self.geometry = g = container.geometry
+        report = progress or (lambda stage, done, total: None)
+        self.group = container["embedding"].group
+        self.levels = device.buffer(256, label="levels", data=cq.levels_bytes(container), kind="weights")
+        self.fp16 = Fp16Store(device, container)
+        self.perm = device.buffer(8 * g.hada_n, label="perm", data=permutation_words(container), kind="weights")
+        self.embedding = cq.upload_pack(device, "embedding", [container["embedding"]])
+        self.layers = []
+        for i in range(g.num_layers):
+            report("upload", i, g.num_layers)
+            qkvg = [container.layer(i, n) for n in ("q_proj", "k_proj", "v_proj", "gate_proj")]
+            self.layers.append({
+                "qkvg": cq.upload_pack(device, f"layers.{i}.qkvg", qkvg),
+                "out": cq.upload_pack(device, f"layers.{i}.out", [container.layer(i, "out_proj")]),
+            })
+        n = g.mhc_lanes
+        band = []
+        for i in range(g.num_layers):  # layer-major so one layer's 24 rows are one band (§4.4, §4.7)
+            band += [(container["mhc.phi_pre"], i * n, (i + 1) * n),
+                     (container["mhc.phi_post"], i * n, (i + 1) * n),
+                     (container["mhc.phi_res"], i * n * n, (i + 1) * n * n)]
+        self.mhc = cq.upload_pack(device, "mhc", band)
+        sites = range(len(g.engram_sites))
+        self.engram_kv = cq.upload_pack(
+            device, "engram.kv", [container[f"engram.{s}.{p}"] for s in sites for p in ("key_proj", "value_proj")])
+        self.engram_tables = [cq.upload_pack(device, f"engram.{s}.tables", [container[f"engram.{s}.tables"]])
+                              for s in sites]
+        report("upload", g.num_layers, g.num_layers)
+
+    @property
+    def mix_width(self) -> int:
+        n = self.geometry.mhc_lanes
+        return 2 * n + n * n
+
+    def session(self, context=None, kv="f32") -> "Needle3Session":
+        return Needle3Session(self, context=context, kv=kv)
+
+
+def _pad(width: int, group: int) -> int:
+    return (width + group - 1) // group * group
+
+
+class Needle3Session:
+    """One conversation: the KV cache and scratch for a fixed context, and cached plans.
+
+    The context is fixed at creation (default: the model's max_seq_len), so every buffer and
+    bind group is built once. Decode is one submit; its only readback is the sampled id.
+    """
+
+    def __init__(self, model: Needle3Gpu, context=None, kv="f32"):
+        g = model.geometry
+        self.model, self.device = model, model.device
+        limit = g.max_seq_len
+        try:
+            context = int(context) if context is not None else limit
+        except (TypeError, ValueError, OverflowError):
+            context = limit
+        self.context = max(1, min(context, limit))
+        self.int8 = str(kv).lower() == "int8"
+        self.position = 0
+        self.chunk = min(PREFILL_CHUNK, self.context)
+        self._plans: dict = {}
+        self._closed = False
+        dev = self.device
+        T = self.chunk
+        G = model.group
+        sites = len(g.engram_sites)
+        self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
+        self.step_uniform = dev.buffer(16, label="step", usage="uniform", kind="session")
+        self.tokens = dev.buffer(4 * (self.context + 1), label="tokens", kind="session")
+        self.result = dev.buffer(16, label="sampled", kind="session")
+        s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
+        self.lanes = s(g.mhc_lanes * g.d_model, "lanes")
+        self.nxh = s(_pad(g.mhc_width, G), "nxh")
+        self.mix = s(model.mix_width, "mix")
+        self.u = s(g.d_model, "u")
+        self.bx = s(g.d_model, "bx")
+        self.hmix = s(g.mhc_lanes + g.mhc_lanes ** 2, "hmix")
+        self.hh = s(_pad(g.d_model, G), "hh")
+        self.qkvg = s(g.q_dim + g.k_dim + g.v_dim + g.attn_out, "qkvg")
+        self.q = s(g.q_dim, "q")
+        self.o = s(g.attn_out, "o")
+        self.oh = s(_pad(g.attn_out, G), "oh")
+        self.a = s(g.d_model, "a")
+        self.xfh = s(_pad(g.d_model, G), "xfh")
+        self.logits = s(g.head_rows, "logits")
+        self.eh = s(sites * _pad(g.d_model, G), "eh")
+        self.ekv = s(sites * 2 * g.d_model, "ekv")
+        self.ev = s(sites * g.d_model, "ev")
+        self.engram_ring = dev.buffer(F32 * sites * self.ring * g.d_model, label="engram_ring", kind="session")
+        self.qkv_rings = [dev.buffer(F32 * self.ring * (g.q_dim + g.k_dim + g.v_dim), label=f"qkv_ring.{i}",
+                                     kind="kv") for i in range(g.num_layers)]
+        self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8) for i in range(g.num_layers)]
+
+    # ------------------------------------------------------------------ plans
+    def _plan(self, positions: int, sample: Sampling | None, cells: bool = False) -> tuple:
+        key = (positions, sample, cells)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build(positions, sample)
+            self._plans[key] = plan
+        return plan
+
+    def _build(self, T: int, sample: Sampling | None):
+        """The forward of one chunk of T positions as a list of dispatches (docs/gpu-layout.md)."""
+        m, g, dev = self.model, self.model.geometry, self.device
+        G, d, n = m.group, g.d_model, g.mhc_lanes
+        arena = UniformArena(dev, capacity=1 << 17, label=f"uniforms.T{T}")
+        plan = Plan(dev, f"chunk T={T}")
+        step = Binding(self.step_uniform)
+        sites = len(g.engram_sites)
+        d_pad = _pad(d, G)
+
+        embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
+                        lanes=self.lanes, positions=T)
+        # Engram keys and values for every site, once per chunk (§4.2).
+        for s in range(sites):
+            engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[s], levels=m.levels,
+                             tokens=self.tokens, eh=self.eh, positions=T)
+        cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=d_pad,
+                  y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * d_pad)
+        engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
+                        ring_size=self.ring, ev=self.ev, positions=T)
+
+        qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
+        for layer in range(g.num_layers):
+            weights = m.layers[layer]
+            mhc_ops.norm(plan, arena, geometry=g, lanes=self.lanes, nxh=self.nxh, positions=T, group=G)
+            cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
+                      y_stride=m.mix_width, row_start=layer * m.mix_width, rows=m.mix_width)
+            mhc_ops.mix(plan, arena, geometry=g, layer=layer, fp16_store=m.fp16, lanes=self.lanes, mix=self.mix,
+                        ekv=self.ekv, ev=self.ev, u=self.u, bx=self.bx, hmix=self.hmix, hh=self.hh,
+                        positions=T, group=G)
+            cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
+                      y_stride=qkvg_width)
+            attention_ops.qkv_post(plan, arena, step, geometry=g, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
+                                   ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
+                                   cache=self.caches[layer], positions=T, int8=self.int8)
+            attention_ops.attention(plan, arena, step, geometry=g, layer=layer, q=self.q, cache=self.caches[layer],
+                                    qkvg=self.qkvg, o=self.o, positions=T, int8=self.int8)
+            cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out)
+            cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
+                      x_stride=_pad(g.attn_out, G), y_stride=d)
+            mlp_ops.mlp_mix(plan, arena, geometry=g, layer=layer, fp16_store=m.fp16, perm=m.perm, a=self.a,
+                            bx=self.bx, u=self.u, hmix=self.hmix, lanes=self.lanes, positions=T)
+
+        embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
+                             positions=T, group=G)
+        cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=T, x_stride=d_pad,
+                  y_stride=g.head_rows, rows=g.head_rows)
+        if sample is not None:
+            sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(T - 1) * g.head_rows,
+                              rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
+                              positions=T, sampling=sample)
+        return plan
+
+    # ------------------------------------------------------------------ running
+    def _check(self):
+        if self._closed:
+            raise NeedleError("this session is closed")
+
+    def _run_chunk(self, ids: list, sample: Sampling | None) -> None:
+        T = len(ids)
+        if self.position + T > self.context:
+            raise ContextFullError(f"context of {self.context} positions is full")
+        dev = self.device
+        dev.write(self.tokens, struct.pack(f"<{T}I", *ids), 4 * self.position)
+        dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
+        dev.run(self._plan(T, sample))
+        self.position += T
+
+    def prefill(self, ids: list, sampling: Sampling | None = None):
+        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one."""
+        self._check()
+        if not ids:
+            return None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start : start + self.chunk]
+            last = start + self.chunk >= len(ids)
+            self._run_chunk(part, sampling if last else None)
+        if sampling is None:
+            return None
+        return self._read_sampled()
+
+    def step(self, sampling: Sampling) -> int:
+        """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next."""
+        self._check()
+        if self.position >= self.context:
+            raise ContextFullError(f"context of {self.context} positions is full")
+        dev = self.device
+        dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
+        dev.run(self._plan(1, sampling))
+        self.position += 1
+        return self._read_sampled()
+
+    def _read_sampled(self) -> int:
+        return struct.unpack_from("<I", self.device.read(self.result, 4))[0]
+
+    def all_logits(self, ids: list) -> list:
+        """Logits of every position (tests and analysis): reads back each chunk's logits."""
+        self._check()
+        rows = self.model.geometry.head_rows
+        out = []
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start : start + self.chunk]
+            self._run_chunk(part, None)
+            data = self.device.read(self.logits, 4 * rows * len(part))
+            values = struct.unpack(f"<{rows * len(part)}f", data)
+            out += [list(values[t * rows : (t + 1) * rows]) for t in range(len(part))]
+        return out
+
+    def close(self) -> None:
+        """Release the session's buffers (the device reclaims them when they are dropped)."""
+        self._closed = True
+        self._plans.clear()

@@ -1,0 +1,227 @@
+"""The Needle 3 chat prompt and the parser for its completions (§9). Pure Python (no numpy).
+
+Prompt (upstream ``finetune.render_example``; needle-rs ``build_prompt``)::
+
+    [<|im_start|>system\\n{system}<|im_end|>\\n]
+    <|im_start|>user\\n<tools>{compact tools JSON}</tools>\\n{query}<|im_end|>\\n<|im_start|>assistant\\n
+
+The model answers ``<think>…</think>`` reasoning followed by ``<tool_call>[…]</tool_call>``,
+where ``[]`` is a deliberate abstention. :func:`parse_completion` reads that answer without
+ever raising: a model can emit anything, and the caller decides what a problem means.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .errors import InputError
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK_START, THINK_END = "<think>", "</think>"
+TOOLS_START, TOOLS_END = "<tools>", "</tools>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+EOS_TEXT = "</s>"
+
+
+# ----------------------------------------------------------------------------- the prompt
+
+
+def compact_tools_json(tools) -> str:
+    """Tools as compact JSON: ``separators=(",", ":")``, ``ensure_ascii=False``, key order kept.
+
+    ``tools`` is a JSON string or a Python list (a single dict is wrapped in a list, since the
+    model saw lists of tools in training). Pretty-printed JSON changes the model's decisions
+    (§9), so a string is parsed and re-serialised; numbers come out as Python writes them
+    (``1e5`` becomes ``100000.0``). Raises ``InputError`` for invalid JSON (with its position)
+    or a top level that is not a list or object.
+    """
+    if tools is None:
+        return "[]"
+    if isinstance(tools, (bytes, bytearray)):
+        tools = bytes(tools).decode("utf-8", "replace")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"tools: invalid JSON at line {exc.lineno} column {exc.colno} "
+                             f"(character {exc.pos}): {exc.msg}") from None
+        except (RecursionError, ValueError) as exc:
+            raise InputError(f"tools: JSON cannot be read ({type(exc).__name__})") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, (list, tuple)):
+        raise InputError(f"tools: expected a JSON array of tool objects, got {_json_kind(tools)}")
+    try:
+        return json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InputError(f"tools: not serialisable as JSON ({exc})") from None
+
+
+def _json_kind(value) -> str:
+    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             type(None): "null"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+def build_prompt(query: str, tools=None, system: str | None = None) -> str:
+    """The §9 prompt text. ``tools=None`` means no tools (``[]``).
+
+    As upstream renders its training examples, ``system`` is stripped and the system turn is
+    left out when it is empty.
+    """
+    system = (system or "").strip()
+    prefix = f"{IM_START}system\n{system}{IM_END}\n" if system else ""
+    return (f"{prefix}{IM_START}user\n{TOOLS_START}{compact_tools_json(tools)}{TOOLS_END}\n"
+            f"{query}{IM_END}\n{IM_START}assistant\n")
+
+
+def prompt_ids(tokenizer, query: str, tools=None, system: str | None = None) -> list[int]:
+    """``[BOS] + encode(prompt)`` (§9)."""
+    return [tokenizer.bos_id] + tokenizer.encode(build_prompt(query, tools, system))
+
+
+# ----------------------------------------------------------------------------- the completion
+
+
+@dataclass
+class Completion:
+    """A parsed completion.
+
+    ``tool_calls`` holds the calls that normalised to ``{"name": str, "arguments": dict}``;
+    it is None when no ``<tool_call>`` JSON array could be read. ``abstained`` is True only
+    when the model emitted exactly ``[]``. Everything unexpected is described in ``problems``.
+    """
+
+    thinking: str | None
+    tool_calls: list | None
+    raw: str
+    problems: list = field(default_factory=list)
+    abstained: bool = False
+
+
+def parse_completion(text) -> Completion:
+    """Parse ``<think>…</think><tool_call>[…]</tool_call>``; never raises (§9)."""
+    problems = []
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "replace")
+    elif not isinstance(text, str):
+        problems.append(f"completion is {type(text).__name__}, not text")
+        text = ""
+    try:
+        return _parse(text, problems)
+    except Exception as exc:  # a last line of defence: the parser's contract is to never raise
+        problems.append(f"parser failure: {type(exc).__name__}")
+        return Completion(None, None, text, problems)
+
+
+def _parse(text: str, problems: list) -> Completion:
+    thinking, rest = _split_thinking(text, problems)
+    call_at = rest.find(TOOL_CALL_START)
+    if call_at < 0:
+        problems.append("no <tool_call> block")
+        if _strip_ends(rest):
+            problems.append("text outside the tool call ignored")
+        return Completion(thinking, None, text, problems)
+    if rest[:call_at].strip():
+        problems.append("text before <tool_call> ignored")
+    body = rest[call_at + len(TOOL_CALL_START) :]
+    end_at = body.find(TOOL_CALL_END)
+    if end_at < 0:
+        problems.append("unterminated <tool_call> (output truncated?)")
+        body = _strip_ends(body)
+    else:
+        if _strip_ends(body[end_at + len(TOOL_CALL_END) :]):
+            problems.append("text after </tool_call> ignored")
+        body = body[:end_at]
+    calls, abstained = _read_calls(body.strip(), problems)
+    return Completion(thinking, calls, text, problems, abstained)
+
+
+def _split_thinking(text: str, problems: list) -> tuple:
+    """(thinking or None, the text after it). Training wraps the reasoning in newlines."""
+    start = text.find(THINK_START)
+    end = text.find(THINK_END)
+    call = text.find(TOOL_CALL_START)
+    if start >= 0 and (call < 0 or start < call):
+        if text[:start].strip():
+            problems.append("text before <think> ignored")
+        inner_at = start + len(THINK_START)
+        end = text.find(THINK_END, inner_at)
+        if end < 0:
+            problems.append("unterminated <think>")
+            stop = call if call > start else len(text)
+            return text[inner_at:stop].strip(), text[stop:]
+        return text[inner_at:end].strip(), text[end + len(THINK_END) :]
+    if end >= 0 and (call < 0 or end < call):
+        problems.append("</think> without <think>")
+        return text[:end].strip(), text[end + len(THINK_END) :]
+    return None, text
+
+
+def _strip_ends(text: str) -> str:
+    """Drop the end markers and whitespace a completion may legitimately finish with."""
+    text = text.strip()
+    changed = True
+    while changed:
+        changed = False
+        for marker in (IM_END, EOS_TEXT):
+            if text.endswith(marker):
+                text = text[: -len(marker)].rstrip()
+                changed = True
+    return text
+
+
+def _read_calls(body: str, problems: list) -> tuple:
+    """(normalised calls or None, whether the model emitted exactly an empty list)."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as exc:
+        problems.append(f"tool call JSON is invalid at character {exc.pos}: {exc.msg}")
+        return None, False
+    except (RecursionError, ValueError) as exc:  # deep nesting, or an over-long integer
+        problems.append(f"tool call JSON cannot be read ({type(exc).__name__})")
+        return None, False
+    if isinstance(value, dict):
+        problems.append("tool call JSON is an object, not a list; read as one call")
+        value = [value]
+    if not isinstance(value, list):
+        problems.append(f"tool call JSON is {_json_kind(value)}, not a list")
+        return None, False
+    calls = []
+    for i, item in enumerate(value):
+        call = _normalise_call(i, item, problems)
+        if call is not None:
+            calls.append(call)
+    return calls, not value
+
+
+def _normalise_call(i: int, item, problems: list) -> dict | None:
+    if not isinstance(item, dict):
+        problems.append(f"call {i} is {_json_kind(item)}, not an object; dropped")
+        return None
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        problems.append(f"call {i} has no name; dropped")
+        return None
+    arguments = item.get("arguments")
+    if arguments is None:
+        problems.append(f"call {i} ({name}) has no arguments; using {{}}")
+        arguments = {}
+    elif isinstance(arguments, str):
+        # Some outputs carry the arguments as a JSON string, as OpenAI-style APIs do.
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            problems.append(f"call {i} ({name}) has arguments that are not an object; dropped")
+            return None
+        problems.append(f"call {i} ({name}) had its arguments as a JSON string; decoded")
+    elif not isinstance(arguments, dict):
+        problems.append(f"call {i} ({name}) has arguments that are {_json_kind(arguments)}; dropped")
+        return None
+    extra = sorted(str(k) for k in item if k not in ("name", "arguments"))
+    if extra:
+        problems.append(f"call {i} ({name}) has extra keys {extra}; ignored")
+    return {"name": name, "arguments": arguments}

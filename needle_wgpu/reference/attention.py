@@ -1,0 +1,130 @@
+"""The attention half of a Needle 3 block in NumPy float32 (spec §4.5 items 2-11, §6 item 1).
+
+Each function is one step of §4.5; the model strings them together and owns the state
+(convolution tails, K/V cache). Attention takes the keys and values as explicit arrays with
+their absolute positions, so one function serves the whole-sequence form, a chunked prefill
+and a decode step reading a ring buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import cq
+from .ops import F32, head_norm, rope, sigmoid, zc_rms_norm
+
+QUERY_BLOCK = 64  # queries per score block: bounds memory only, the result does not depend on it
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionParams:
+    """One layer's attention weights (§8 layer records +0 … +12)."""
+
+    norm_in: np.ndarray  # [d]
+    q_proj: cq.CQMatrix  # [H·qk, d]
+    k_proj: cq.CQMatrix  # [KV·qk, d]
+    v_proj: cq.CQMatrix  # [KV·v, d]
+    q_taps: np.ndarray | None  # [taps, H·qk]; None when qkv_conv_taps = 0
+    k_taps: np.ndarray | None
+    v_taps: np.ndarray | None
+    q_norm: np.ndarray  # [qk], shared by all query heads
+    k_norm: np.ndarray  # [qk], shared by all kv heads
+    gate_proj: cq.CQMatrix  # [H·v, d]
+    out_proj: cq.CQMatrix  # [d, H·v]
+    post_norm: np.ndarray  # [d]
+    attn_gate: float  # pre-sigmoid residual gate
+
+
+def project(h: np.ndarray, p: AttentionParams) -> tuple:
+    """q, k, v and the output gate g from the normed block input h [T, d] (§4.5 item 3).
+
+    The four CQ products share one prepared activation (§5.5.1).
+    """
+    prepared = cq.prepare_input(h, p.q_proj.group)
+    return tuple(cq.matmul_prepared(w, prepared) for w in (p.q_proj, p.k_proj, p.v_proj, p.gate_proj))
+
+
+def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """[T, heads·hd] → [T, heads, hd]; head h holds elements [h·hd, (h+1)·hd) (§4.5 item 5)."""
+    return x.reshape(x.shape[0], heads, -1)
+
+
+def position_heads(x: np.ndarray, heads: int, norm: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """Query or key heads after the conv: split, per-head ZCRMSNorm, then RoPE (§4.5 items 5-7)."""
+    return rope(head_norm(split_heads(x, heads), norm), positions, theta)
+
+
+def visible(query_positions: np.ndarray, key_positions: np.ndarray, span: int) -> np.ndarray:
+    """Which keys each query sees: causal and inside the span, itself included (§4.5 item 8).
+
+    Key n is visible from query t when n ≤ t and t − n < span, i.e. n ∈ [max(0, t−span+1), t].
+    Global layers pass a span of at least the whole context.
+    """
+    distance = query_positions[:, None] - key_positions[None, :]
+    return (distance >= 0) & (distance < span)
+
+
+def _softmax_visible(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Two-pass softmax over the key axis (last) restricted to visible keys (§4.10)."""
+    scores = np.where(mask, scores, F32(-np.inf))
+    e = np.exp(scores - np.max(scores, axis=-1, keepdims=True))
+    return e * (F32(1) / np.sum(e, axis=-1, keepdims=True))
+
+
+def attend(q: np.ndarray, query_positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
+           key_positions: np.ndarray, span: int) -> np.ndarray:
+    """GQA attention (§4.5 item 8): q [T, H, hd], keys [S, KV, hd], values [S, KV, vd] → [T, H, vd].
+
+    Query head hq reads kv head ⌊hq / (H/KV)⌋; scores are q·k / sqrt(hd).
+    """
+    count, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(count, kv_heads, heads // kv_heads, head_dim)
+    inv_sqrt = F32(1.0 / np.sqrt(head_dim))
+    out = np.empty((count, kv_heads, heads // kv_heads, values.shape[2]), F32)
+    for lo in range(0, count, QUERY_BLOCK):
+        block = slice(lo, lo + QUERY_BLOCK)
+        scores = np.einsum("tgrd,sgd->tgrs", grouped[block], keys, dtype=F32) * inv_sqrt
+        mask = visible(query_positions[block], key_positions, span)[:, None, None, :]
+        weights = _softmax_visible(scores, mask)
+        out[block] = np.einsum("tgrs,sgd->tgrd", weights, values, dtype=F32)
+    return out.reshape(count, heads, -1)
+
+
+def attend_int8(q: np.ndarray, query_positions: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray,
+                values_i8: np.ndarray, value_scales: np.ndarray, key_positions: np.ndarray,
+                span: int) -> np.ndarray:
+    """GQA attention over an int8 cache with hoisted scales (§6 item 1, int8 mode).
+
+    keys_i8 [S, KV, hd] and values_i8 [S, KV, vd] are int8 with one f32 scale per (slot, kv head)
+    ([S, KV]). score = (Σ_i q_i·k_i8) · k_scale / sqrt(hd); values are accumulated as
+    Σ_n (p_n · v_scale_n) · v_i8_n. q is the per-head A8 query (already dequantised to f32).
+    """
+    count, heads, head_dim = q.shape
+    kv_heads = keys_i8.shape[1]
+    grouped = q.reshape(count, kv_heads, heads // kv_heads, head_dim)
+    keys, vals = keys_i8.astype(F32), values_i8.astype(F32)
+    inv_sqrt = F32(1.0 / np.sqrt(head_dim))
+    k_scale = key_scales.T[None, :, None, :]  # [1, KV, 1, S]
+    v_scale = value_scales.T[None, :, None, :]
+    out = np.empty((count, kv_heads, heads // kv_heads, values_i8.shape[2]), F32)
+    for lo in range(0, count, QUERY_BLOCK):
+        block = slice(lo, lo + QUERY_BLOCK)
+        dots = np.einsum("tgrd,sgd->tgrs", grouped[block], keys, dtype=F32)
+        mask = visible(query_positions[block], key_positions, span)[:, None, None, :]
+        weights = _softmax_visible(dots * k_scale * inv_sqrt, mask)
+        out[block] = np.einsum("tgrs,sgd->tgrd", weights * v_scale, vals, dtype=F32)
+    return out.reshape(count, heads, -1)
+
+
+def output(o: np.ndarray, g: np.ndarray, p: AttentionParams) -> np.ndarray:
+    """a = ZCRMSNorm(Wout·(o ⊙ σ(g)); post_norm) (§4.5 items 9-10): the gate is elementwise."""
+    gated = o.reshape(o.shape[0], -1) * sigmoid(g)
+    return zc_rms_norm(cq.matmul(p.out_proj, gated), p.post_norm)
+
+
+def residual(bx: np.ndarray, a: np.ndarray, attn_gate: float) -> np.ndarray:
+    """bx + σ(attn_gate)·a (§4.5 item 11)."""
+    return bx + sigmoid(F32(attn_gate)) * a

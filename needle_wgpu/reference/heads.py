@@ -1,0 +1,100 @@
+"""Probe heads in NumPy float32 (spec §7): the confidence score read from the hidden cells.
+
+A head attends over positions once per (cell, probe), normalises and scales the readouts,
+attends over the readouts once per query, and projects the pooled queries to one logit.
+`probe_logit` is the whole-sequence formula; `ProbePool` computes the same thing streaming
+over positions with an online softmax, holding one readout per (cell, probe) instead of all
+the cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import cq
+from .ops import F32, rms_unit, softmax
+
+CONFIDENCE = 2  # manifest code of the confidence head (§7)
+
+
+@dataclass(frozen=True, eq=False)
+class ProbeHeadParams:
+    """One head's tensors in §7 order."""
+
+    probes: cq.CQMatrix  # [cells·k, d], row l·k + kk
+    gain: np.ndarray  # [cells, k]
+    query: cq.CQMatrix  # [Q, d]
+    row_bias: np.ndarray  # [Q, cells, k]
+    proj: cq.CQMatrix  # [1, Q·d]
+    bias: float
+
+    @property
+    def probes_per_cell(self) -> int:
+        return self.gain.shape[1]
+
+
+def probe_scores(cells: np.ndarray, head: ProbeHeadParams) -> np.ndarray:
+    """score[t, l, kk] = ⟨cell_{t,l}, probe_{l,kk}⟩ / sqrt(d) (§7 step 1): [T, C, d] → [T, C, k]."""
+    count, num_cells, d = cells.shape
+    k = head.probes_per_cell
+    scores = np.empty((count, num_cells, k), F32)
+    for cell in range(num_cells):
+        scores[:, cell] = cq.matmul(head.probes, cells[:, cell], cell * k, k)
+    return scores / F32(np.sqrt(d))
+
+
+def readout_logit(readouts: np.ndarray, head: ProbeHeadParams) -> float:
+    """From the position-pooled readouts r [C, k, d] to the head logit (§7 steps 1-3).
+
+    r ← rms_unit(r)·gain; per query q: v_m = ⟨r_m, query_q⟩/sqrt(d) + row_bias[q, m],
+    w = softmax_m(v), pooled_q = Σ_m w_m r_m (m = l·k + kk); logit = proj·concat_q(pooled_q) + bias.
+    """
+    num_cells, k, d = readouts.shape
+    r = (rms_unit(readouts) * head.gain[:, :, None]).reshape(num_cells * k, d)
+    queries = head.query.rows
+    v = cq.matmul(head.query, r).T / F32(np.sqrt(d)) + head.row_bias.reshape(queries, num_cells * k)
+    pooled = softmax(v, axis=-1) @ r  # [Q, d]
+    return float(cq.matmul(head.proj, pooled.reshape(1, queries * d))[0, 0] + F32(head.bias))
+
+
+def probe_logit(cells: np.ndarray, head: ProbeHeadParams) -> float:
+    """The head logit of a whole sequence of cells [T, C, d] (§7), softmax over all positions at once."""
+    weights = softmax(probe_scores(cells, head), axis=0)  # over positions t
+    readouts = np.einsum("tlk,tld->lkd", weights, cells, dtype=F32)
+    return readout_logit(readouts, head)
+
+
+class ProbePool:
+    """Streaming §7 step 1: online softmax over positions per (cell, probe).
+
+    Keeps a running max m, denominator s and numerator vector a; a new position with score x
+    rescales them by exp(m_old − m_new) (§7). `logit()` finishes with r = a / s.
+    """
+
+    def __init__(self, head: ProbeHeadParams, num_cells: int, d_model: int):
+        k = head.probes_per_cell
+        self.head = head
+        self.running_max = np.full((num_cells, k), -np.inf, F32)
+        self.denominator = np.zeros((num_cells, k), F32)
+        self.numerator = np.zeros((num_cells, k, d_model), F32)
+        self.positions = 0
+
+    def update(self, cells: np.ndarray) -> None:
+        """Fold in the cells [T, C, d] of the next T positions, one position at a time."""
+        scores = probe_scores(cells, self.head)
+        for t in range(cells.shape[0]):
+            new_max = np.maximum(self.running_max, scores[t])
+            rescale = np.exp(self.running_max - new_max)
+            weight = np.exp(scores[t] - new_max)
+            self.denominator = self.denominator * rescale + weight
+            self.numerator = (self.numerator * rescale[:, :, None]
+                              + weight[:, :, None] * cells[t][:, None, :])
+            self.running_max = new_max
+        self.positions += cells.shape[0]
+
+    def logit(self) -> float:
+        if self.positions == 0:
+            raise ValueError("a probe pool needs at least one position")
+        return readout_logit(self.numerator / self.denominator[:, :, None], self.head)

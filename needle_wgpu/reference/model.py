@@ -1,0 +1,256 @@
+"""The whole Needle 3 model in NumPy float32: the oracle every GPU kernel is tested against (spec §4).
+
+`ReferenceModel.forward_sequence` is the whole-sequence ("prefill") form of §4 with no state;
+`prefill` and `decode_step` run the same graph through a `KVCache` (§6), in f32 or int8 K/V.
+Each step below calls one small function of ops / cq / engram / mhc / attention / hada_mlp,
+in the order the spec lists them.
+"""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ContextFullError, InputError, UnsupportedModelError
+from ..formats import cact
+from . import attention, cq, engram, mhc
+from .cache import KVCache, KvPrecision
+from .hada_mlp import hada_mlp
+from .heads import ProbePool, probe_logit
+from .ops import F32, causal_conv, conv_tail, fake_quant, quantize_rows, sigmoid, zc_rms_norm
+from .weights import Needle3Weights, load_weights
+
+U32_MAX = 0xFFFFFFFF
+PREFILL_CHUNK = 64  # positions per prefill chunk (§5.5.4); results do not depend on it
+
+
+def saturate_ids(ids) -> np.ndarray:
+    """Token ids as uint32, each saturated to [0, 2^32 − 1] (§0 item 1).
+
+    A negative id has no u32 meaning, so it becomes 0 (the pad id); an id above 2^32 − 1
+    becomes 2^32 − 1. The saturated id is what the Engram hash and the decode cache's token
+    history see; only the embedding lookup further clamps it to vocab − 1 (§4.1). Accepts a
+    sequence of Python ints or a 1-D integer array; anything else is an `InputError`.
+    """
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        if ids.ndim != 1:
+            raise InputError(f"token ids must be one-dimensional, got shape {ids.shape}")
+        wide = ids.astype(np.uint64) if ids.dtype.kind == "u" else np.maximum(ids.astype(np.int64), 0)
+        return np.minimum(wide.astype(np.uint64), np.uint64(U32_MAX)).astype(np.uint32)
+    try:
+        values = [min(max(operator.index(i), 0), U32_MAX) for i in ids]
+    except TypeError:
+        raise InputError("token ids must be integers") from None
+    return np.array(values, dtype=np.uint32)
+
+
+class ReferenceModel:
+    """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile)."""
+
+    def __init__(self, source):
+        self.file = source if isinstance(source, cact.CactFile) else cact.load(source)
+        self.geometry = self.file.geometry
+        self.weights: Needle3Weights = load_weights(self.file)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ReferenceModel":
+        return cls(cact.load(path))
+
+    @property
+    def head_rows(self) -> int:
+        return self.geometry.head_rows
+
+    def new_cache(self, precision: KvPrecision | str = KvPrecision.F32) -> KVCache:
+        return KVCache(self.geometry, precision)
+
+    # ------------------------------------------------------------------ public forms
+
+    def forward_sequence(self, ids) -> np.ndarray:
+        """Logits [T, head_rows] of every position of one sequence, no cache (§4)."""
+        tokens = self._checked_sequence(ids)
+        final, _ = self._forward_chunk(tokens, 0, None)
+        return self.output_logits(final)
+
+    def forward_cells(self, ids) -> np.ndarray:
+        """The hidden cells [T, L+1, d] (§4.8): cell 0 is the scaled embedding, cell i+1 the
+        lane mean after layer i."""
+        tokens = self._checked_sequence(ids)
+        _, cells = self._forward_chunk(tokens, 0, None)
+        return cells
+
+    def prefill(self, ids, cache: KVCache, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Feed ids after what `cache` holds; logits [T, head_rows] of each new position (§6).
+
+        Runs in chunks of `chunk` positions. Raises `ContextFullError`, consuming nothing, when
+        the ids do not all fit before max_seq_len (§0 item 8).
+        """
+        tokens = saturate_ids(ids)
+        self._check_cache(cache)
+        cache.reserve(len(tokens))
+        logits = [np.zeros((0, self.head_rows), F32)]
+        for lo in range(0, len(tokens), chunk):
+            final, _ = self._forward_chunk(tokens[lo : lo + chunk], cache.length, cache)
+            logits.append(self.output_logits(final))
+        return np.concatenate(logits, axis=0)
+
+    def decode_step(self, token_id: int, cache: KVCache) -> np.ndarray:
+        """Feed one id; logits [head_rows] of its position. A full cache raises `ContextFullError`."""
+        if cache.full:
+            raise ContextFullError(f"context full: all {cache.capacity} positions are used")
+        return self.prefill([token_id], cache)[0]
+
+    def confidence_logit(self, ids) -> float:
+        """The confidence head's logit (§7) for a scored sequence (prompt + completion, BOS first).
+
+        Cells are produced chunk by chunk and folded into a streaming `ProbePool`. Every position
+        counts: a single unpadded sequence has no pad positions to mask.
+        """
+        head = self.weights.confidence
+        if head is None:
+            raise UnsupportedModelError("this model file exports no confidence head (§7)")
+        tokens = self._checked_sequence(ids)
+        if len(tokens) == 0:
+            raise InputError("confidence needs at least one token")
+        g = self.geometry
+        pool = ProbePool(head, g.num_layers + 1, g.d_model)
+        cache = self.new_cache()
+        for lo in range(0, len(tokens), PREFILL_CHUNK):
+            _, cells = self._forward_chunk(tokens[lo : lo + PREFILL_CHUNK], cache.length, cache)
+            pool.update(cells)
+        return pool.logit()
+
+    def confidence(self, ids) -> float:
+        """Probability σ(logit) of the confidence head (§7 step 3)."""
+        return float(sigmoid(F32(self.confidence_logit(ids))))
+
+    def confidence_logit_direct(self, ids) -> float:
+        """The same logit from all cells at once (§7, non-streaming), for checking the pool."""
+        head = self.weights.confidence
+        if head is None:
+            raise UnsupportedModelError("this model file exports no confidence head (§7)")
+        return probe_logit(self.forward_cells(ids), head)
+
+    # ------------------------------------------------------------------ the graph (§4)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """x0 = E[min(τ, vocab−1)] · sqrt(d), the scale an f32 sqrt (§4.1, §0 item 1)."""
+        g = self.geometry
+        rows = np.minimum(tokens.astype(np.int64), g.vocab - 1)
+        return cq.dequantize_rows(self.weights.embedding, rows) * np.sqrt(F32(g.d_model))
+
+    def output_logits(self, lane_means: np.ndarray) -> np.ndarray:
+        """logits = E[:rows]·ZCRMSNorm(x̄; final_norm), the tied head without the sqrt(d) (§4.8)."""
+        x_final = zc_rms_norm(lane_means, self.weights.final_norm)
+        return cq.matmul(self.weights.embedding, x_final, 0, self.head_rows)
+
+    def _forward_chunk(self, tokens: np.ndarray, start: int, cache: KVCache | None) -> tuple:
+        """Positions start … start+T−1 through every layer (§4.1-§4.8).
+
+        Returns the final lane means [T, d] and the cells [T, L+1, d]. With a cache, the chunk
+        attends to what it holds and leaves its own state there; without one, it is the whole
+        sequence from position 0.
+        """
+        g, w = self.geometry, self.weights
+        positions = np.arange(start, start + len(tokens))
+        x0 = self.embed(tokens)
+        engram_kv = self._engram(tokens, positions, cache)
+        lanes = mhc.broadcast_lanes(x0, g.mhc_lanes)  # §4.3
+        cells = [x0]
+        for layer in range(g.num_layers):
+            p = w.mhc[layer]
+            nx = mhc.lane_norm(lanes)
+            pre, post, res = mhc.lane_products(w.phi_pre, w.phi_post, w.phi_res, layer, nx, g.mhc_lanes)
+            u = mhc.mix_down(lanes, mhc.pre_weights(pre, p))  # §4.4
+            delta = self._block(layer, u, positions, engram_kv, cache) - u  # §4.5 item 13
+            lanes = mhc.scatter_up(lanes, mhc.residual_mix(res, p), mhc.post_weights(post, p), delta)  # §4.7
+            cells.append(mhc.lane_mean(lanes))
+        if cache is not None:
+            cache.remember_tokens(tokens)
+            cache.length += len(tokens)
+        return cells[-1], np.stack(cells, axis=1)
+
+    def _engram(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache | None) -> list:
+        """Keys and convolved values [T, d] of every Engram site, computed before the layers (§4.2)."""
+        g = self.geometry
+        history = cache.token_history if cache is not None else np.zeros(g.engram_max_order - 1, np.uint32)
+        idx = engram.hash_indices(tokens, history, g.engram_orders, g.engram_heads, g.engram_seed_heads,
+                                  g.engram_slots)
+        valid = engram.hash_validity(positions, g.engram_orders, g.engram_heads)
+        out = []
+        for s, site in enumerate(self.weights.engram):
+            fetched = engram.fetch(site.tables, idx, valid, g.engram_slots, g.engram_sub_dim)
+            keys, raw_values = engram.project(site.key_proj, site.value_proj, fetched)
+            tail = cache.engram_tails[s] if cache is not None else None
+            values = engram.value_conv(raw_values, site.taps, g.engram_conv_dilation, g.engram_max_order,
+                                       positions, tail)
+            if cache is not None:
+                cache.engram_tails[s] = conv_tail(tail, raw_values)  # §6 item 3: pre-conv values
+            out.append((keys, values))
+        return out
+
+    def _block(self, layer: int, u: np.ndarray, positions: np.ndarray, engram_kv: list,
+               cache: KVCache | None) -> np.ndarray:
+        """One block (§4.5): Engram gate, attention, MLP, each as a residual on bx."""
+        g, w = self.geometry, self.weights
+        bx = u
+        site = g.engram_site(layer)
+        if site >= 0:
+            bx = engram.gate(u, *engram_kv[site])  # item 1
+        h = zc_rms_norm(bx, w.attention[layer].norm_in)  # item 2
+        a = self._attention(layer, h, positions, cache)
+        bx = attention.residual(bx, a, w.attention[layer].attn_gate)  # item 11
+        hada = w.hada[layer]
+        return bx + hada_mlp(zc_rms_norm(bx, hada.pre_hada), hada)  # item 12
+
+    def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache | None) -> np.ndarray:
+        """Items 3-10 of §4.5; with a cache, also reads and extends its K/V and conv tails (§6)."""
+        g, p = self.geometry, self.weights.attention[layer]
+        state = cache.layers[layer] if cache is not None else None
+        q, k, v, gate = attention.project(h, p)  # item 3
+        if p.q_taps is not None:  # item 4
+            tails = (state.q_tail, state.k_tail, state.v_tail) if state else (None, None, None)
+            convolved = [causal_conv(x, taps, tail)
+                         for x, taps, tail in zip((q, k, v), (p.q_taps, p.k_taps, p.v_taps), tails)]
+            if state:
+                state.roll_tails(q, k, v)  # §6 item 2: the tails keep pre-conv rows
+            q, k, v = convolved
+        theta = g.rope_theta
+        q_heads = attention.position_heads(q, g.num_heads, p.q_norm, positions, theta)  # items 5-7
+        k_heads = attention.position_heads(k, g.num_kv_heads, p.k_norm, positions, theta)
+        v_heads = attention.split_heads(v, g.num_kv_heads)
+
+        int8 = cache is not None and cache.precision is KvPrecision.INT8
+        if int8:  # §4.9 item 4 only: A8 q per head, k and v stored as int8 per (position, kv head)
+            q_heads = fake_quant(q_heads)
+            k_i8, k_scale = quantize_rows(k_heads)
+            v_i8, v_scale = quantize_rows(v_heads)
+            new = (k_i8, k_scale[..., 0], v_i8, v_scale[..., 0])
+        else:
+            new = (k_heads, v_heads)
+        if state:
+            past, past_positions = state.kv.read(int(positions[0]))
+            entries = tuple(np.concatenate(pair) for pair in zip(past, new))
+            key_positions = np.concatenate((past_positions, positions))
+            state.kv.write(positions, new)
+        else:
+            entries, key_positions = new, positions
+        span = g.attention_span(layer)
+        if int8:
+            o = attention.attend_int8(q_heads, positions, *entries, key_positions, span)  # §6 item 1
+        else:
+            o = attention.attend(q_heads, positions, *entries, key_positions, span)  # item 8
+        return attention.output(o, gate, p)  # items 9-10
+
+    # ------------------------------------------------------------------ checks
+
+    def _checked_sequence(self, ids) -> np.ndarray:
+        tokens = saturate_ids(ids)
+        if len(tokens) > self.geometry.max_seq_len:
+            raise ContextFullError(f"{len(tokens)} ids exceed max_seq_len {self.geometry.max_seq_len}")
+        return tokens
+
+    def _check_cache(self, cache: KVCache) -> None:
+        if not isinstance(cache, KVCache) or cache.geometry != self.geometry:
+            raise InputError("this cache was not made for this model (use model.new_cache())")

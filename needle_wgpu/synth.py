@@ -1,0 +1,249 @@
+"""Seeded synthetic Needle 3 models, written as real ``.cact`` v3 containers (spec §2, §8).
+
+The weights are random but scaled so that a forward pass stays O(1) through every layer and
+the logits have a real spread: unit-RMS projections, near-identity convolution taps, norm
+offsets near 0, orthogonal Kronecker factors, and mHC parameters near the upstream
+initialisation (§4.7 note), where lane mixing is almost the identity and each block adds a
+bounded delta. The bit scheme is the shipped one (§2): embedding, mHC phi and probe heads CQ-4,
+every other CQ tensor CQ-2, group 128.
+
+``synthesize("tiny", seed)`` has the geometry of the independent fixture
+(``shared/fixtures/needle3/README.md``), ``"small"`` is sized for GPU tests, and
+``"shipped"`` is exactly §2 (581 records with the confidence head and the tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from .errors import NeedleError
+from .formats.cact_writer import Record, write_cact
+from .formats.geometry import Needle3Geometry
+from .formats.tokenizer import synthetic_tokenizer_blob
+
+GROUP = 128
+EMBEDDING_BITS = MHC_BITS = HEAD_BITS = 4
+DEFAULT_BITS = 2
+CONFIDENCE_HEAD = 2.0  # manifest code (§7)
+PROBES_PER_CELL = 4
+HEAD_QUERIES = 4
+COND_RANK = 8
+import os
+ATTN_GATE=float(os.environ.get('AG','0'))
+MLP_GAIN=float(os.environ.get('MG','1'))
+
+GEOMETRIES = {
+    # The fixture's geometry (fixtures/needle3/README.md).
+    "tiny": Needle3Geometry(
+        vocab=512, out_vocab=512, d_model=256, num_heads=4, num_kv_heads=2, num_layers=4,
+        qk_head_dim=32, v_head_dim=64, max_seq_len=256, hada_n=256, mhc_lanes=4,
+        sliding_window=16, global_layers=(2,), qkv_conv_taps=3, engram_slots=257,
+        engram_sub_dim=64, num_engram_tables=4, engram_conv_taps=4, engram_conv_dilation=3,
+        engram_seed_heads=0, engram_orders=(2, 3), engram_sites=(1, 3), rope_theta=10000.0,
+        kv_window=8, kv_bits=8),
+    # Between tiny and shipped, for GPU tests: Kronecker 16 x 32 (ba != bb), 3 engram heads.
+    "small": Needle3Geometry(
+        vocab=1024, out_vocab=1024, d_model=384, num_heads=6, num_kv_heads=2, num_layers=6,
+        qk_head_dim=32, v_head_dim=64, max_seq_len=512, hada_n=512, mhc_lanes=4,
+        sliding_window=32, global_layers=(2, 5), qkv_conv_taps=3, engram_slots=1021,
+        engram_sub_dim=64, num_engram_tables=6, engram_conv_taps=4, engram_conv_dilation=3,
+        engram_seed_heads=0, engram_orders=(2, 3), engram_sites=(1, 3, 5), rope_theta=10000.0,
+        kv_window=16, kv_bits=8),
+    # §2, read from the real needle3.cact header.
+    "shipped": Needle3Geometry(
+        vocab=8192, out_vocab=8192, d_model=768, num_heads=12, num_kv_heads=2, num_layers=20,
+        qk_head_dim=48, v_head_dim=64, max_seq_len=8192, hada_n=1024, mhc_lanes=4,
+        sliding_window=1024, global_layers=(4, 9, 14, 19), qkv_conv_taps=3, engram_slots=18432,
+        engram_sub_dim=128, num_engram_tables=6, engram_conv_taps=4, engram_conv_dilation=3,
+        engram_seed_heads=0, engram_orders=(2, 3), engram_sites=(3, 7, 11, 15, 19),
+        rope_theta=100000.0, kv_window=256, kv_bits=8),
+}
+
+
+def geometry_named(geometry) -> Needle3Geometry:
+    """A preset name ("tiny", "small", "shipped") or a geometry, validated."""
+    if isinstance(geometry, str):
+        if geometry not in GEOMETRIES:
+            raise ValueError(f"unknown geometry {geometry!r} (choose from {', '.join(GEOMETRIES)})")
+        geometry = GEOMETRIES[geometry]
+    geometry.validate()
+    return geometry
+
+
+class _Draws:
+    """The seeded random source; every tensor is drawn in canon order, so a seed fixes a file."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, shape, std: float, mean: float = 0.0) -> np.ndarray:
+        values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        return values + np.float32(mean) if mean else values
+
+    def taps(self, taps: int, width: int) -> np.ndarray:
+        """Causal conv taps near identity: tap 0 (the current position) ~1, older taps small."""
+        values = self.normal((taps, width), 0.1)
+        values[0] += 1.0
+        return values
+
+    def orthogonal(self, size: int) -> np.ndarray:
+        """A random orthogonal matrix plus a little noise: a Kronecker stage keeps the norm."""
+        q, r = np.linalg.qr(self.rng.standard_normal((size, size)))
+        q *= np.sign(np.diag(r))
+        return q.astype(np.float32) + self.normal((size, size), 0.02 / np.sqrt(size))
+
+
+def _cq(name: str, matrix: np.ndarray, bits: int = DEFAULT_BITS) -> Record:
+    return Record.cq(name, matrix, bits, GROUP)
+
+
+def _layer_records(g: Needle3Geometry, i: int, draw: _Draws) -> list:
+    """One block's records in the order of ``cact.layer_canon`` (§8)."""
+    d, prefix = g.d_model, f"layers.{i}."
+    unit = 1.0 / np.sqrt(d)  # rows of unit norm: a projection of a unit-RMS vector is unit-RMS
+    records = [
+        Record.fp16(prefix + "norm_in", draw.normal(d, 0.05)),
+        _cq(prefix + "q_proj", draw.normal((g.q_dim, d), unit)),
+        _cq(prefix + "k_proj", draw.normal((g.k_dim, d), unit)),
+        _cq(prefix + "v_proj", draw.normal((g.v_dim, d), unit)),
+    ]
+    if g.qkv_conv_taps:
+        records += [
+            Record.fp16(prefix + "q_taps", draw.taps(g.qkv_conv_taps, g.q_dim)),
+            Record.fp16(prefix + "k_taps", draw.taps(g.qkv_conv_taps, g.k_dim)),
+            Record.fp16(prefix + "v_taps", draw.taps(g.qkv_conv_taps, g.v_dim)),
+        ]
+    records += [
+        Record.fp16(prefix + "q_norm", draw.normal(g.qk_head_dim, 0.05)),
+        Record.fp16(prefix + "k_norm", draw.normal(g.qk_head_dim, 0.05)),
+        _cq(prefix + "gate_proj", draw.normal((g.attn_out, d), unit)),
+        _cq(prefix + "out_proj", draw.normal((d, g.attn_out), 1.0 / np.sqrt(g.attn_out))),
+        Record.fp16(prefix + "post_norm", draw.normal(d, 0.05)),
+        Record.fp16(prefix + "attn_gate", draw.normal(1, 0.3, ATTN_GATE)),
+        Record.fp16(prefix + "pre_hada", draw.normal(d, 0.05)),
+    ]
+    # HadaMLP (§4.6): diagonal scales near 1, a small bias, orthogonal factors, a weak cond.
+    for name, center in (("d1", 1.0), ("d2", 1.0), ("b2", 0.0), ("d3", 1.0), ("d4", MLP_GAIN)):
+        records.append(Record.fp16(prefix + name, draw.normal(g.hada_n, 0.05, center)))
+    for stage in (1, 2, 3):
+        records += [
+            Record.fp16(prefix + f"w{stage}a", draw.orthogonal(g.kron_a)),
+            Record.fp16(prefix + f"w{stage}b", draw.orthogonal(g.kron_b)),
+        ]
+    records += [
+        Record.fp16(prefix + "cond_v", draw.normal((d, COND_RANK), unit)),
+        Record.fp16(prefix + "cond_u", draw.normal((COND_RANK, g.hada_n), 0.1)),
+    ]
+    return records
+
+
+def _mhc_records(g: Needle3Geometry, draw: _Draws) -> list:
+    """mHC scalars near upstream init (§4.7 note) and the three phi matrices (§8 [541-549]).
+
+    phi rows have norm 4, so a phi product of the unit-RMS lane vector is ~N(0, 16) and, times
+    a_* ~ 0.01, moves the gate logits by ~0.16: visible, but the mixing stays near identity.
+    """
+    L, n, width = g.num_layers, g.mhc_lanes, g.mhc_width
+    phi_std = 4.0 / np.sqrt(width)
+    b_res = draw.normal((L, n, n), 0.1) + 4.0 * np.eye(n, dtype=np.float32)
+    return [
+        Record.fp16("mhc.a_pre", draw.normal(L, 0.002, 0.01)),
+        Record.fp16("mhc.a_post", draw.normal(L, 0.002, 0.01)),
+        Record.fp16("mhc.a_res", draw.normal(L, 0.002, 0.01)),
+        Record.fp16("mhc.b_pre", draw.normal((L, n), 0.1)),
+        Record.fp16("mhc.b_post", draw.normal((L, n), 0.1)),
+        Record.fp16("mhc.b_res", b_res),
+        _cq("mhc.phi_pre", draw.normal((L * n, width), phi_std), MHC_BITS),
+        _cq("mhc.phi_post", draw.normal((L * n, width), phi_std), MHC_BITS),
+        _cq("mhc.phi_res", draw.normal((L * n * n, width), phi_std), MHC_BITS),
+    ]
+
+
+def hada_permutations(hada_n: int) -> tuple:
+    """p1 and p2 as upstream generates them (§8 [550-551], §14.2), as f32 arrays."""
+    p1 = np.random.RandomState(11).permutation(hada_n).astype(np.float32)
+    p2 = np.random.RandomState(13).permutation(hada_n).astype(np.float32)
+    return p1, p2
+
+
+def _engram_records(g: Needle3Geometry, draw: _Draws) -> list:
+    """Per site: tables (row = tb * slots + idx), key/value projections [d, d], taps (§4.2)."""
+    d, rows, width = g.d_model, g.num_engram_tables * g.engram_slots, g.num_engram_tables * g.engram_sub_dim
+    records = []
+    for s in range(len(g.engram_sites)):
+        prefix = f"engram.{s}."
+        records += [
+            _cq(prefix + "tables", draw.normal((rows, g.engram_sub_dim), 1.0)),
+            _cq(prefix + "key_proj", draw.normal((d, width), 1.0 / np.sqrt(width))),
+            _cq(prefix + "value_proj", draw.normal((d, width), 1.0 / np.sqrt(width))),
+            Record.fp16(prefix + "taps", draw.taps(g.engram_conv_taps, d)),
+        ]
+    return records
+
+
+def _confidence_head_records(g: Needle3Geometry, draw: _Draws) -> list:
+    """Manifest [2.0] and the six confidence-head tensors of §7, in order."""
+    cells, d, k, q = g.num_layers + 1, g.d_model, PROBES_PER_CELL, HEAD_QUERIES
+    return [
+        Record.fp16("heads.manifest", [CONFIDENCE_HEAD]),
+        # Unit-variance probes and queries: scores <cell, probe> / sqrt(d) are ~N(0, 1).
+        _cq("heads.0.probes", draw.normal((cells * k, d), 1.0), HEAD_BITS),
+        Record.fp16("heads.0.gain", draw.normal((cells, k), 0.1, 1.0)),
+        _cq("heads.0.query", draw.normal((q, d), 1.0), HEAD_BITS),
+        Record.fp16("heads.0.row_bias", draw.normal((q, cells, k), 0.1)),
+        _cq("heads.0.proj", draw.normal((1, q * d), 1.0 / np.sqrt(q * d)), HEAD_BITS),
+        Record.fp16("heads.0.bias", draw.normal(1, 0.1)),
+    ]
+
+
+def synthesize_records(geometry, seed: int, heads: bool = True) -> tuple:
+    """(geometry, records) of a synthetic model, in canon order, tokenizer last (§8)."""
+    g = geometry_named(geometry)
+    draw = _Draws(seed)
+    d = g.d_model
+    # Embedding rows of norm ~1: x0 = E[t] * sqrt(d) is unit-RMS and the tied-head logits
+    # E . x_f (x_f unit-RMS) are ~N(0, 1) across the vocabulary (§4.1, §4.8).
+    records = [_cq("embedding", draw.normal((g.vocab, d), 1.0 / np.sqrt(d)), EMBEDDING_BITS)]
+    for i in range(g.num_layers):
+        records += _layer_records(g, i, draw)
+    records += _mhc_records(g, draw)
+    p1, p2 = hada_permutations(g.hada_n)
+    records += [Record.fp32("hada.p1", p1), Record.fp32("hada.p2", p2)]
+    records += _engram_records(g, draw)
+    records.append(Record.fp16("final_norm", draw.normal(d, 0.05)))
+    if heads:
+        records += _confidence_head_records(g, draw)
+    records.append(Record.raw("tokenizer", synthetic_tokenizer_blob(g.vocab)))
+    return g, records
+
+
+def synthesize(geometry, seed: int, heads: bool = True) -> bytes:
+    """A seeded synthetic Needle 3 ``.cact`` v3 file (bytes); the same seed gives the same bytes."""
+    g, records = synthesize_records(geometry, seed, heads)
+    return write_cact(g, records)
+
+
+def synth_main(argv: list) -> int:
+    """``synth --geometry {tiny,small,shipped} --seed N -o FILE.cact``; returns an exit status."""
+    parser = argparse.ArgumentParser(prog="needle-wgpu synth",
+                                     description="Write a seeded random Needle 3 .cact v3 model.")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-heads", action="store_true", help="omit the confidence probe head")
+    parser.add_argument("-o", "--output", required=True, help="path of the .cact file to write")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
+        return int(exit_request.code or 0)
+    try:
+        data = synthesize(args.geometry, args.seed, heads=not args.no_heads)
+        with open(args.output, "wb") as f:
+            f.write(data)
+    except (OSError, NeedleError) as exc:
+        print(f"needle-wgpu synth: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}: {args.geometry} geometry, seed {args.seed}, {len(data):,} bytes")
+    return 0
