@@ -3,7 +3,10 @@
 Prompt (upstream ``finetune.render_example``; needle-rs ``build_prompt``)::
 
     [<|im_start|>system\\n{system}<|im_end|>\\n]
-    <|im_start|>user\\n<tools>{compact tools JSON}</tools>\\n{query}<|im_end|>\\n<|im_start|>assistant\\n
+    <|im_start|>user\\n<tools>{compact tools JSON}</tools>\\n{query}<|im_end|>\\n
+    <|im_start|>assistant\\n
+
+(shown on three lines; the only newlines are the ``\\n`` written out).
 
 The model answers ``<think>…</think>`` reasoning followed by ``<tool_call>[…]</tool_call>``,
 where ``[]`` is a deliberate abstention. :func:`parse_completion` reads that answer without
@@ -219,7 +222,8 @@ def _normalise_call(i: int, item, problems: list) -> dict | None:
             return None
         problems.append(f"call {i} ({name}) had its arguments as a JSON string; decoded")
     elif not isinstance(arguments, dict):
-        problems.append(f"call {i} ({name}) has arguments that are {_json_kind(arguments)}; dropped")
+        kind = _json_kind(arguments)
+        problems.append(f"call {i} ({name}) has arguments that are {kind}; dropped")
         return None
     extra = sorted(str(k) for k in item if k not in ("name", "arguments"))
     if extra:

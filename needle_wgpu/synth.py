@@ -34,6 +34,8 @@ COND_RANK = 8
 import os
 ATTN_GATE=float(os.environ.get('AG','0'))
 MLP_GAIN=float(os.environ.get('MG','1'))
+EMB=float(os.environ.get('EMB','1'))
+FIN=float(os.environ.get('FIN','0'))
 
 GEOMETRIES = {
     # The fixture's geometry (fixtures/needle3/README.md).
@@ -206,14 +208,14 @@ def synthesize_records(geometry, seed: int, heads: bool = True) -> tuple:
     d = g.d_model
     # Embedding rows of norm ~1: x0 = E[t] * sqrt(d) is unit-RMS and the tied-head logits
     # E . x_f (x_f unit-RMS) are ~N(0, 1) across the vocabulary (§4.1, §4.8).
-    records = [_cq("embedding", draw.normal((g.vocab, d), 1.0 / np.sqrt(d)), EMBEDDING_BITS)]
+    records = [_cq("embedding", draw.normal((g.vocab, d), EMB / np.sqrt(d)), EMBEDDING_BITS)]
     for i in range(g.num_layers):
         records += _layer_records(g, i, draw)
     records += _mhc_records(g, draw)
     p1, p2 = hada_permutations(g.hada_n)
     records += [Record.fp32("hada.p1", p1), Record.fp32("hada.p2", p2)]
     records += _engram_records(g, draw)
-    records.append(Record.fp16("final_norm", draw.normal(d, 0.05)))
+    records.append(Record.fp16("final_norm", draw.normal(d, 0.05, FIN)))
     if heads:
         records += _confidence_head_records(g, draw)
     records.append(Record.raw("tokenizer", synthetic_tokenizer_blob(g.vocab)))

@@ -115,7 +115,8 @@ def test_parse_without_thinking_and_with_several_calls():
     c = parse_completion('<tool_call>[{"name":"a","arguments":{}},'
                          '{"name":"b","arguments":{"x":[1,2]}}]</tool_call></s>')
     assert c.thinking is None and c.problems == [] and not c.abstained
-    assert c.tool_calls == [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, 2]}}]
+    assert c.tool_calls == [{"name": "a", "arguments": {}},
+                            {"name": "b", "arguments": {"x": [1, 2]}}]
 
 
 def test_arguments_given_as_a_json_string_are_decoded():
@@ -186,8 +187,8 @@ completion_soup = st.lists(
 def test_property_parser_never_raises(text):
     c = parse_completion(text)
     assert c.raw == text
-    assert c.tool_calls is None or all(
-        isinstance(call["name"], str) and isinstance(call["arguments"], dict) for call in c.tool_calls)
+    for call in c.tool_calls or []:
+        assert isinstance(call["name"], str) and isinstance(call["arguments"], dict)
     if c.abstained:
         assert c.tool_calls == []
     if c.tool_calls is None:

@@ -134,7 +134,8 @@ def test_fixture_layout_matches_its_readme(fixture_tokenizer):
     assert all(tok.piece_type(i) == BYTE for i in range(28, 284))
     assert all(tok.piece_type(i) == NORMAL for i in range(284, 512))
     assert tok.id_of("<0x0A>") == 38  # '\n', as §9 states
-    assert (tok.im_start_id, tok.im_end_id, tok.think_start_id, tok.tool_call_end_id) == (4, 5, 6, 11)
+    assert (tok.im_start_id, tok.im_end_id, tok.think_start_id) == (4, 5, 6)
+    assert (tok.tool_call_start_id, tok.tool_call_end_id) == (10, 11)
     assert tok.stop_ids == (1, 5)
 
 

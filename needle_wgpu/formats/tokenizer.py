@@ -1,4 +1,4 @@
-"""The Needle 3 tokenizer: the RAW record of a ``.cact`` container, its encoder and decoder (§8, §9).
+"""The Needle 3 tokenizer: a ``.cact`` container's RAW record, its encoder and decoder (§8, §9).
 
 Pure Python (no numpy): this module also runs inside Pyodide. The container embeds a
 SentencePiece-style vocabulary as a RAW blob; §8 gives its layout and the reference encoder
@@ -25,7 +25,8 @@ from heapq import heappop, heappush
 
 from ..errors import ContainerError, InputError
 
-HEADER = struct.Struct("<IIIIIBBH")  # n_pieces, pad, eos, bos, unk, add_dummy_prefix, byte_fallback, pad
+# n_pieces, pad_id, eos_id, bos_id, unk_id, add_dummy_prefix, byte_fallback, padding
+HEADER = struct.Struct("<IIIIIBBH")
 RECORD = struct.Struct("<fBH")  # score, type, byte length of the UTF-8 text that follows
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = range(5)

@@ -1,0 +1,113 @@
+"""CQ prepare + dequant-matmul on the GPU vs the NumPy reference (§5.5), all code widths."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from needle_wgpu.errors import DeviceLimitError
+from needle_wgpu.formats import cact
+from needle_wgpu.gpu import Plan, UniformArena, open_device
+from needle_wgpu.kernels import cq
+from needle_wgpu.reference import cq as ref_cq
+
+pytestmark = pytest.mark.gpu
+GATE = 1e-5  # f32 sums in a different order than the reference: a few ulps of the row norm
+
+
+def random_cq(rng, rows, cols, bits, group=128, name="w"):
+    """A CQ record with random codes and norms (no encoder needed: any codes are valid)."""
+    in_pad = -(-cols // group) * group
+    row_bytes = in_pad * (2 if bits == cact.TERNARY else bits) // 8
+    codes = rng.integers(0, 256, size=rows * row_bytes, dtype=np.uint8).tobytes()
+    norms = rng.uniform(0.5, 2.0, size=rows * (in_pad // group)).astype("<f2").tobytes()
+    blob = memoryview(codes + norms)
+    return cact.Tensor(0, name, cact.CQ, (rows, cols), 0, len(blob), group, bits, blob)
+
+
+class FakeCact:
+    """Just enough of a CactFile for levels_bytes."""
+
+    def __init__(self, tensor):
+        self.codebook = tuple(np.sort(np.random.default_rng(1).normal(size=28)).astype(np.float32).tolist())
+        self.tensors = {"w": tensor}
+
+    def levels(self, bits):
+        return cact.CactFile.levels(self, bits)
+
+
+def run_matmul(device, tensors, x, *, row_start=0, rows=None, levels_source=None):
+    fake = levels_source or FakeCact(tensors[0])
+    levels = device.buffer(256, label="levels", data=cq.levels_bytes(fake))
+    pack = cq.upload_pack(device, "test", tensors)
+    T, width = x.shape
+    in_pad = pack.in_pad
+    rows = pack.rows - row_start if rows is None else rows
+    xb = device.buffer(x.nbytes, label="x", data=x.astype(np.float32).tobytes())
+    xh = device.buffer(4 * T * in_pad, label="xh")
+    y = device.buffer(4 * T * rows, label="y")
+    arena, plan = UniformArena(device), Plan(device, "test")
+    cq.prepare(plan, arena, xb, xh, width=width, group=pack.group, positions=T, x_stride=width)
+    cq.matmul(plan, arena, pack, levels, xh, y, positions=T, x_stride=in_pad, y_stride=rows,
+              row_start=row_start, rows=rows)
+    device.run(plan)
+    got_xh = np.frombuffer(device.read(xh, 4 * T * in_pad), np.float32).reshape(T, in_pad)
+    got = np.frombuffer(device.read(y, 4 * T * rows), np.float32).reshape(T, rows)
+    return got_xh, got, fake, pack
+
+
+def reference(tensors, fake, x, row_start=0, rows=None):
+    mats = [ref_cq.CQMatrix.from_tensor(t, fake.levels(t.bits) if t.bits != cact.TERNARY else ()) for t in tensors]
+    y = np.concatenate([ref_cq.matmul(m, x) for m in mats], axis=1)
+    rows = y.shape[1] - row_start if rows is None else rows
+    return y[:, row_start : row_start + rows]
+
+
+def rel(got, want):
+    return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, cact.TERNARY])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_matmul_all_widths(device, bits, T):
+    rng = np.random.default_rng(bits * 100 + T)
+    w = random_cq(rng, rows=45, cols=200, bits=bits)  # odd rows, width padded to 256
+    x = rng.normal(size=(T, 200)).astype(np.float32)
+    xh, got, fake, _ = run_matmul(device, [w], x)
+    np.testing.assert_allclose(xh, ref_cq.prepare_input(x, 128), rtol=0, atol=2e-6 * np.abs(x).max())
+    assert rel(got, reference([w], fake, x)) <= GATE
+
+
+def test_pack_band_and_rows(device):
+    rng = np.random.default_rng(7)
+    parts = [random_cq(rng, rows=r, cols=384, bits=4) for r in (4, 4, 16, 4, 4, 16)]
+    x = rng.normal(size=(5, 384)).astype(np.float32)
+    _, got, fake, _ = run_matmul(device, parts, x, row_start=24, rows=24)
+    assert rel(got, reference(parts, fake, x, row_start=24, rows=24)) <= GATE
+
+
+def test_fixture_tensors(device, fixture_dir):
+    f = cact.load(fixture_dir / "tiny.cact")
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(9, 256)).astype(np.float32)
+    for name in ("embedding", "layers.0.q_proj", "layers.3.out_proj"):
+        t = f[name]
+        _, got, _, _ = run_matmul(device, [t], x, levels_source=f)
+        want = ref_cq.matmul(ref_cq.CQMatrix.from_tensor(t, f.levels(t.bits)), x)
+        assert rel(got, want) <= GATE, name
+
+
+def test_split_above_binding_limit(fixture_dir):
+    """A tensor larger than maxStorageBufferBindingSize is split along rows and still exact."""
+    f = cact.load(fixture_dir / "tiny.cact")
+    small = open_device(max_storage_binding=16384)
+    t = f["embedding"]  # 67,584 bytes: five slices at this limit
+    x = np.random.default_rng(4).normal(size=(2, 256)).astype(np.float32)
+    _, got, _, pack = run_matmul(small, [t], x, levels_source=f)
+    assert len(pack.slices) >= 4
+    want = ref_cq.matmul(ref_cq.CQMatrix.from_tensor(t, f.levels(t.bits)), x)
+    assert rel(got, want) <= GATE
+    with pytest.raises(DeviceLimitError):
+        small.bind_group(small.pipeline(cq.KernelKey("cq_prepare", consts=(("GROUP", 128), ("CAP", 256),
+                         ("FWHT_SCALE", cq.fwht_scale(128))))), [small.buffer(64, label="u", usage="uniform"),
+                         small.buffer(40000, label="big"), small.buffer(64, label="o")])
