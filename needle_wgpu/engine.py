@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .errors import NeedleError
 from .formats import cact
-from .formats.tokenizer import StreamDecoder, Tokenizer
+from .formats.tokenizer import Tokenizer
 from .prompt import Completion, parse_completion, prompt_ids
 from .sampling import Sampling, clamp_budget, saturate_ids
 
@@ -106,7 +106,7 @@ class Needle3:
             if len(fits) < len(request) or budget == 0:
                 out.finish_reason = "length"
                 return
-            decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+            decoder = self.tokenizer.stream_decoder(at_text_start=False) if self.tokenizer else None
             text = ""
             produced = 0
             out.finish_reason = "length"
@@ -127,7 +127,7 @@ class Needle3:
                     break
                 next_id = session.step(sampling)
             if decoder:
-                text += decoder.flush() if out.finish_reason != "stop" else ""
+                text += decoder.finish() if out.finish_reason != "stop" else ""
             elapsed = time.perf_counter() - first
             out.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
             out.text = text
@@ -146,10 +146,7 @@ class Needle3:
     def _stop_ids(self) -> set:
         stops = {1}
         if self.tokenizer is not None:
-            stops.add(self.tokenizer.eos_id)
-            im_end = self.tokenizer.id_of("<|im_end|>")
-            if im_end is not None:
-                stops.add(im_end)
+            stops |= set(self.tokenizer.stop_ids)
         return stops
 
     # ------------------------------------------------------------------ analysis
