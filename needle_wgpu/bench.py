@@ -1,0 +1,100 @@
+"""``needle-wgpu bench``: prefill and decode speed, work per decode step, memory, and the NumPy
+reference measured in the same run. A script that prints and saves numbers, not a timed test."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+
+
+def _counters(device) -> tuple:
+    c = device.counters
+    return c.dispatches, c.submits, c.bytes_read
+
+
+def run_benchmark(args) -> dict:
+    from .cli import Progress, default_model
+    from .engine import Needle3
+    from .formats import cact
+    from .sampling import Sampling
+
+    path = args.model or str(default_model())
+    started = time.perf_counter()
+    model = Needle3.load(path, progress=Progress())
+    load_s = time.perf_counter() - started
+    g = model.geometry
+    device = model.gpu.device
+    rng = random.Random(0)
+    prompt = [2] + [rng.randrange(4, g.vocab) for _ in range(max(1, args.prompt_tokens) - 1)]
+    greedy = Sampling.saturate(0.0)
+
+    # Warm-up: compiles every pipeline of both plans (not part of the timings).
+    session = model.gpu.session(context=len(prompt) + args.decode_tokens + 2)
+    session.prefill(prompt[: min(len(prompt), session.chunk)], greedy)
+    session.step(greedy)
+    session.close()
+
+    session = model.gpu.session(context=len(prompt) + args.decode_tokens + 2)
+    t0 = time.perf_counter()
+    next_id = session.prefill(prompt, greedy)
+    prefill_s = time.perf_counter() - t0
+    before = _counters(device)
+    t1 = time.perf_counter()
+    for _ in range(args.decode_tokens):
+        next_id = session.step(greedy)
+    decode_s = time.perf_counter() - t1
+    after = _counters(device)
+    steps = max(args.decode_tokens, 1)
+    per_step = [(a - b) / steps for a, b in zip(after, before)]
+    allocated = dict(device.counters.bytes_allocated)
+    container = cact.load(path)
+    result = {
+        "model": str(path),
+        "geometry": {"d_model": g.d_model, "layers": g.num_layers, "vocab": g.vocab},
+        "adapter": device.adapter_name,
+        "host": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
+        "load_s": round(load_s, 3),
+        "prompt_tokens": len(prompt),
+        "decode_tokens": args.decode_tokens,
+        "prefill_tok_s": round(len(prompt) / prefill_s, 3),
+        "decode_tok_s": round(args.decode_tokens / decode_s, 3),
+        "dispatches_per_decode_step": per_step[0],
+        "dispatches_per_layer": round(per_step[0] / g.num_layers, 2),
+        "submits_per_decode_step": per_step[1],
+        "bytes_read_per_decode_step": per_step[2],
+        "gpu_bytes": allocated,
+        "file_tensor_bytes": container.tensor_bytes,
+        "weights_over_file_tensor_bytes": round(allocated.get("weights", 0) / container.tensor_bytes, 4),
+        "last_token": next_id,
+    }
+    session.close()
+    if args.reference:
+        result.update(_reference_speed(path, prompt, args.decode_tokens))
+        result["gpu_over_reference_prefill"] = round(result["prefill_tok_s"] / result["reference_prefill_tok_s"], 3)
+        result["gpu_over_reference_decode"] = round(result["decode_tok_s"] / result["reference_decode_tok_s"], 3)
+    text = json.dumps(result, indent=2)
+    print(text)
+    with open(args.json, "w") as f:
+        f.write(text + "\n")
+    return result
+
+
+def _reference_speed(path, prompt, decode_tokens) -> dict:
+    """The NumPy reference on the same prompt: batched prefill, then cached decode steps."""
+    from .reference.model import ReferenceModel
+
+    reference = ReferenceModel.from_path(path)
+    cache = reference.new_cache()
+    t0 = time.perf_counter()
+    logits = reference.prefill(prompt, cache)
+    prefill_s = time.perf_counter() - t0
+    token = int(logits[-1].argmax())
+    steps = max(1, min(decode_tokens, 8))
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        token = int(reference.decode_step(token, cache).argmax())
+    decode_s = time.perf_counter() - t1
+    return {"reference_prefill_tok_s": round(len(prompt) / prefill_s, 3),
+            "reference_decode_tok_s": round(steps / decode_s, 3)}
