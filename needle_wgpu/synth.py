@@ -2,9 +2,9 @@
 
 The weights are random but scaled so that a forward pass stays O(1) through every layer and
 the logits have a real spread: unit-RMS projections, near-identity convolution taps, norm
-offsets near 0, orthogonal Kronecker factors, and mHC parameters near the upstream
-initialisation (§4.7 note), where lane mixing is almost the identity and each block adds a
-bounded delta. The bit scheme is the shipped one (§2): embedding, mHC phi and probe heads CQ-4,
+offsets near 0 (except the final norm, see ``FINAL_NORM_OFFSET``), orthogonal Kronecker
+factors, and mHC parameters near the upstream initialisation (§4.7 note), where lane mixing is
+almost the identity and each block adds a bounded delta. The bit scheme is the shipped one (§2): embedding, mHC phi and probe heads CQ-4,
 every other CQ tensor CQ-2, group 128.
 
 ``synthesize("tiny", seed)`` has the geometry of the independent fixture
@@ -31,11 +31,16 @@ CONFIDENCE_HEAD = 2.0  # manifest code (§7)
 PROBES_PER_CELL = 4
 HEAD_QUERIES = 4
 COND_RANK = 8
-import os
-ATTN_GATE=float(os.environ.get('AG','0'))
-MLP_GAIN=float(os.environ.get('MG','1'))
-EMB=float(os.environ.get('EMB','1'))
-FIN=float(os.environ.get('FIN','0'))
+
+# Scales that shape the residual stream. The head is the tied embedding (§4.8), so the logit
+# spread is |E row| * (1 + final_norm) while x0 = E[t] * sqrt(d) has RMS |E row|: a small
+# embedding (x0 RMS 0.3) with a final gain of 3 keeps the logits ~N(0, 1) without the current
+# token's own row dominating them. Blocks add deltas of RMS ~1.7 (attention through
+# sigmoid(1) ~ 0.73, the MLP through d4 ~ 3), so the lanes grow to RMS ~2 over 20 layers.
+EMBEDDING_ROW_NORM = 0.3
+FINAL_NORM_OFFSET = 2.0
+ATTN_GATE_LOGIT = 1.0
+MLP_OUT_GAIN = 3.0
 
 GEOMETRIES = {
     # The fixture's geometry (fixtures/needle3/README.md).
@@ -124,11 +129,12 @@ def _layer_records(g: Needle3Geometry, i: int, draw: _Draws) -> list:
         _cq(prefix + "gate_proj", draw.normal((g.attn_out, d), unit)),
         _cq(prefix + "out_proj", draw.normal((d, g.attn_out), 1.0 / np.sqrt(g.attn_out))),
         Record.fp16(prefix + "post_norm", draw.normal(d, 0.05)),
-        Record.fp16(prefix + "attn_gate", draw.normal(1, 0.3, ATTN_GATE)),
+        Record.fp16(prefix + "attn_gate", draw.normal(1, 0.3, ATTN_GATE_LOGIT)),
         Record.fp16(prefix + "pre_hada", draw.normal(d, 0.05)),
     ]
-    # HadaMLP (§4.6): diagonal scales near 1, a small bias, orthogonal factors, a weak cond.
-    for name, center in (("d1", 1.0), ("d2", 1.0), ("b2", 0.0), ("d3", 1.0), ("d4", MLP_GAIN)):
+    # HadaMLP (§4.6): diagonal scales near 1 (d4 sets the output gain), a small bias,
+    # orthogonal Kronecker factors (norm-preserving stages), a weak cond.
+    for name, center in (("d1", 1.0), ("d2", 1.0), ("b2", 0.0), ("d3", 1.0), ("d4", MLP_OUT_GAIN)):
         records.append(Record.fp16(prefix + name, draw.normal(g.hada_n, 0.05, center)))
     for stage in (1, 2, 3):
         records += [
@@ -206,16 +212,14 @@ def synthesize_records(geometry, seed: int, heads: bool = True) -> tuple:
     g = geometry_named(geometry)
     draw = _Draws(seed)
     d = g.d_model
-    # Embedding rows of norm ~1: x0 = E[t] * sqrt(d) is unit-RMS and the tied-head logits
-    # E . x_f (x_f unit-RMS) are ~N(0, 1) across the vocabulary (§4.1, §4.8).
-    records = [_cq("embedding", draw.normal((g.vocab, d), EMB / np.sqrt(d)), EMBEDDING_BITS)]
+    records = [_cq("embedding", draw.normal((g.vocab, d), EMBEDDING_ROW_NORM / np.sqrt(d)), EMBEDDING_BITS)]
     for i in range(g.num_layers):
         records += _layer_records(g, i, draw)
     records += _mhc_records(g, draw)
     p1, p2 = hada_permutations(g.hada_n)
     records += [Record.fp32("hada.p1", p1), Record.fp32("hada.p2", p2)]
     records += _engram_records(g, draw)
-    records.append(Record.fp16("final_norm", draw.normal(d, 0.05, FIN)))
+    records.append(Record.fp16("final_norm", draw.normal(d, 0.05, FINAL_NORM_OFFSET)))
     if heads:
         records += _confidence_head_records(g, draw)
     records.append(Record.raw("tokenizer", synthetic_tokenizer_blob(g.vocab)))

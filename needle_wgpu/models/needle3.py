@@ -85,13 +85,16 @@ class Needle3Session:
         self.context = max(1, min(context, limit))
         self.int8 = str(kv).lower() == "int8"
         self.position = 0
-        self.chunk = min(PREFILL_CHUNK, self.context)
         self._plans: dict = {}
         self._closed = False
         dev = self.device
-        T = self.chunk
         G = model.group
         sites = len(g.engram_sites)
+        # A prefill chunk is as long as the widest per-position scratch row allows under the
+        # device's binding limit (64 on any real device).
+        widest = 4 * max(g.head_rows, g.mhc_width, sites * 2 * g.d_model, sites * _pad(g.d_model, G),
+                         g.q_dim + g.k_dim + g.v_dim + g.attn_out)
+        self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
         self.step_uniform = dev.buffer(16, label="step", usage="uniform", kind="session")
         self.tokens = dev.buffer(4 * (self.context + 1), label="tokens", kind="session")

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import cq
-from .ops import F32, head_norm, rope, sigmoid, zc_rms_norm
-
-QUERY_BLOCK = 64  # queries per score block: bounds memory only, the result does not depend on it
+from .ops import F32, dot_rows, head_norm, rope, sigmoid, zc_rms_norm
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,57 +64,62 @@ def visible(query_positions: np.ndarray, key_positions: np.ndarray, span: int) -
     return (distance >= 0) & (distance < span)
 
 
-def _softmax_visible(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Two-pass softmax over the key axis (last) restricted to visible keys (§4.10)."""
-    scores = np.where(mask, scores, F32(-np.inf))
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    """Two-pass softmax over the visible keys (last axis), weights times 1/sum (§4.10)."""
     e = np.exp(scores - np.max(scores, axis=-1, keepdims=True))
     return e * (F32(1) / np.sum(e, axis=-1, keepdims=True))
 
 
-def attend(q: np.ndarray, query_positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
-           key_positions: np.ndarray, span: int) -> np.ndarray:
-    """GQA attention (§4.5 item 8): q [T, H, hd], keys [S, KV, hd], values [S, KV, vd] → [T, H, vd].
+def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """One query position over exactly its visible keys (§4.5 item 8).
 
-    Query head hq reads kv head ⌊hq / (H/KV)⌋; scores are q·k / sqrt(hd).
+    q [H, hd], keys [n, KV, hd], values [n, KV, vd] → [H, vd]. Query head hq reads kv head
+    ⌊hq / (H/KV)⌋; score = q·k / sqrt(hd); o = Σ_n softmax_n(score)·v_n.
     """
-    count, heads, head_dim = q.shape
+    heads, head_dim = q.shape
     kv_heads = keys.shape[1]
-    grouped = q.reshape(count, kv_heads, heads // kv_heads, head_dim)
+    grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
     inv_sqrt = F32(1.0 / np.sqrt(head_dim))
-    out = np.empty((count, kv_heads, heads // kv_heads, values.shape[2]), F32)
-    for lo in range(0, count, QUERY_BLOCK):
-        block = slice(lo, lo + QUERY_BLOCK)
-        scores = np.einsum("tgrd,sgd->tgrs", grouped[block], keys, dtype=F32) * inv_sqrt
-        mask = visible(query_positions[block], key_positions, span)[:, None, None, :]
-        weights = _softmax_visible(scores, mask)
-        out[block] = np.einsum("tgrs,sgd->tgrd", weights, values, dtype=F32)
-    return out.reshape(count, heads, -1)
+    out = [dot_rows(_softmax(dot_rows(grouped[kv], keys[:, kv]) * inv_sqrt), values[:, kv].T)
+           for kv in range(kv_heads)]
+    return np.concatenate(out, axis=0)
 
 
-def attend_int8(q: np.ndarray, query_positions: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray,
-                values_i8: np.ndarray, value_scales: np.ndarray, key_positions: np.ndarray,
-                span: int) -> np.ndarray:
-    """GQA attention over an int8 cache with hoisted scales (§6 item 1, int8 mode).
+def attend_one_int8(q: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray, values_i8: np.ndarray,
+                    value_scales: np.ndarray) -> np.ndarray:
+    """One query position over an int8 cache with hoisted scales (§6 item 1, int8 mode).
 
-    keys_i8 [S, KV, hd] and values_i8 [S, KV, vd] are int8 with one f32 scale per (slot, kv head)
-    ([S, KV]). score = (Σ_i q_i·k_i8) · k_scale / sqrt(hd); values are accumulated as
-    Σ_n (p_n · v_scale_n) · v_i8_n. q is the per-head A8 query (already dequantised to f32).
+    keys_i8 [n, KV, hd] and values_i8 [n, KV, vd] are int8 with one f32 scale per (position,
+    kv head) ([n, KV]). score = (Σ_i q_i·k_i8) · k_scale / sqrt(hd); values are accumulated as
+    Σ_n (p_n · v_scale_n) · v_i8_n. q is the per-head A8 query, already dequantised to f32.
     """
-    count, heads, head_dim = q.shape
+    heads, head_dim = q.shape
     kv_heads = keys_i8.shape[1]
-    grouped = q.reshape(count, kv_heads, heads // kv_heads, head_dim)
-    keys, vals = keys_i8.astype(F32), values_i8.astype(F32)
+    grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
     inv_sqrt = F32(1.0 / np.sqrt(head_dim))
-    k_scale = key_scales.T[None, :, None, :]  # [1, KV, 1, S]
-    v_scale = value_scales.T[None, :, None, :]
-    out = np.empty((count, kv_heads, heads // kv_heads, values_i8.shape[2]), F32)
-    for lo in range(0, count, QUERY_BLOCK):
-        block = slice(lo, lo + QUERY_BLOCK)
-        dots = np.einsum("tgrd,sgd->tgrs", grouped[block], keys, dtype=F32)
-        mask = visible(query_positions[block], key_positions, span)[:, None, None, :]
-        weights = _softmax_visible(dots * k_scale * inv_sqrt, mask)
-        out[block] = np.einsum("tgrs,sgd->tgrd", weights * v_scale, vals, dtype=F32)
-    return out.reshape(count, heads, -1)
+    out = []
+    for kv in range(kv_heads):
+        scores = dot_rows(grouped[kv], keys_i8[:, kv].astype(F32)) * key_scales[:, kv] * inv_sqrt
+        weights = _softmax(scores) * value_scales[:, kv]
+        out.append(dot_rows(weights, values_i8[:, kv].T.astype(F32)))
+    return np.concatenate(out, axis=0)
+
+
+def attend(q: np.ndarray, query_positions: np.ndarray, entries: tuple, key_positions: np.ndarray,
+           span: int, int8: bool = False) -> np.ndarray:
+    """Attention of T query positions (§4.5 item 8, §6 item 1): q [T, H, hd] → [T, H, vd].
+
+    `entries` are the cached per-position arrays, aligned with `key_positions`: (keys, values)
+    in f32, or (keys_i8, key_scales, values_i8, value_scales) with `int8`. Each query reads
+    exactly its visible keys, so a position's result does not depend on what else is batched.
+    """
+    one = attend_one_int8 if int8 else attend_one
+    rows = []
+    for t in range(q.shape[0]):
+        sees = visible(query_positions[t : t + 1], key_positions, span)[0]
+        rows.append(one(q[t], *(entry[sees] for entry in entries)))
+    width = entries[-2].shape[-1] if int8 else entries[-1].shape[-1]
+    return np.stack(rows) if rows else np.zeros((0, q.shape[1], width), F32)
 
 
 def output(o: np.ndarray, g: np.ndarray, p: AttentionParams) -> np.ndarray:

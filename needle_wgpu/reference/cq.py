@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..formats import cact
-from .ops import F32, fwht
+from .ops import F32, dot_rows, fwht
 
 TERNARY_LEVEL = 1.2240064  # §5.2, before the 1/sqrt(G) scale
 
@@ -152,7 +152,7 @@ def matmul_prepared(weight: CQMatrix, xh: np.ndarray, row_start: int = 0, rows: 
     y = np.zeros((xh.shape[0], rows), F32)
     for k in range(weight.num_groups):
         unit_rows = weight.levels[codes[:, k * g : (k + 1) * g]]  # [rows, G] level values
-        y += (xh[:, k * g : (k + 1) * g] @ unit_rows.T) * norms[:, k]
+        y += dot_rows(xh[:, k * g : (k + 1) * g], unit_rows) * norms[:, k]
     return y
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ops import F32, silu, softmax
+from .ops import F32, dot_rows, silu, softmax
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +38,7 @@ class HadaParams:
 
 def cond_scale(x: np.ndarray, cond_v: np.ndarray, cond_u: np.ndarray) -> np.ndarray:
     """cond = 1 + softmax(x·cond_v)·cond_u (§4.6 step 1); the softmax divides by its sum (§0 item 2)."""
-    return F32(1) + softmax(x @ cond_v) @ cond_u
+    return F32(1) + dot_rows(softmax(dot_rows(x, cond_v.T)), cond_u.T)
 
 
 def kron_stage(z: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -46,9 +46,13 @@ def kron_stage(z: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     Equivalently z ← z·(A ⊗ B). Aᵀ·Z is formed first, then ·B, as in Rust.
     """
-    count = z.shape[0]
-    grid = z.reshape(count, a.shape[0], b.shape[0])
-    return ((a.T @ grid) @ b).reshape(count, -1)
+    count, ba, bb = z.shape[0], a.shape[0], b.shape[0]
+    grid = z.reshape(count, ba, bb)
+    # (AᵀZ)[t, k, j] = Σ_i A[i, k]·Z[t, i, j]: lay i out last, one row per (t, j).
+    by_column = grid.transpose(0, 2, 1).reshape(count * bb, ba)
+    left = dot_rows(by_column, a.T).reshape(count, bb, ba).transpose(0, 2, 1)
+    # (AᵀZB)[t, k, l] = Σ_j (AᵀZ)[t, k, j]·B[j, l]: one row per (t, k).
+    return dot_rows(left.reshape(count * ba, bb), b.T).reshape(count, ba * bb)
 
 
 def permute(z: np.ndarray, order: np.ndarray) -> np.ndarray:

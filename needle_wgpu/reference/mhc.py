@@ -81,13 +81,19 @@ def residual_mix(res: np.ndarray, p: MhcLayer) -> np.ndarray:
 
 
 def mix_down(lanes: np.ndarray, hpre: np.ndarray) -> np.ndarray:
-    """u = Σ_j hpre_j · X[j], the block input (§4.4): [T, n, d], [T, n] → [T, d]."""
-    return np.einsum("tj,tjc->tc", hpre, lanes, dtype=F32)
+    """u = Σ_j hpre_j · X[j], the block input (§4.4): [T, n, d], [T, n] → [T, d]; j ascending."""
+    u = hpre[:, 0:1] * lanes[:, 0]
+    for j in range(1, lanes.shape[1]):
+        u = u + hpre[:, j : j + 1] * lanes[:, j]
+    return u
 
 
 def scatter_up(lanes: np.ndarray, hres: np.ndarray, hpost: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """X'[i] = Σ_j Hres[i, j]·X[j] + hpost_i·y, with the old X on the right (§4.7)."""
-    return np.einsum("tij,tjc->tic", hres, lanes, dtype=F32) + hpost[:, :, None] * delta[:, None, :]
+    """X'[i] = Σ_j Hres[i, j]·X[j] + hpost_i·y, with the old X on the right (§4.7); j ascending."""
+    mixed = hres[:, :, 0:1] * lanes[:, 0:1]
+    for j in range(1, lanes.shape[1]):
+        mixed = mixed + hres[:, :, j : j + 1] * lanes[:, j : j + 1]
+    return mixed + hpost[:, :, None] * delta[:, None, :]
 
 
 def lane_mean(lanes: np.ndarray) -> np.ndarray:

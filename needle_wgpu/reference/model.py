@@ -236,11 +236,7 @@ class ReferenceModel:
             state.kv.write(positions, new)
         else:
             entries, key_positions = new, positions
-        span = g.attention_span(layer)
-        if int8:
-            o = attention.attend_int8(q_heads, positions, *entries, key_positions, span)  # §6 item 1
-        else:
-            o = attention.attend(q_heads, positions, *entries, key_positions, span)  # item 8
+        o = attention.attend(q_heads, positions, entries, key_positions, g.attention_span(layer), int8)  # item 8
         return attention.output(o, gate, p)  # items 9-10
 
     # ------------------------------------------------------------------ checks

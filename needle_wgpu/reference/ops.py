@@ -15,6 +15,18 @@ EPS = F32(1e-6)  # §3: one epsilon everywhere, always inside the square root
 SINKHORN_ITERATIONS = 20
 
 
+def dot_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y[m, n] = Σ_k x[m, k] · w[n, k] for x [M, K] and w [N, K], in f32.
+
+    Every product of the reference goes through here. Each output element is one f32 dot
+    product whose summation order does not depend on M, so a position gets bit-identical
+    results whether it is computed alone (decode) or in a batch (prefill). BLAS f32 matmul
+    does not promise that, and int8 K/V rounding would amplify its last-bit differences
+    (§6 item 1: prefill must attend through exactly what stepped decode stores).
+    """
+    return np.einsum("mk,nk->mn", np.ascontiguousarray(x, F32), np.ascontiguousarray(w, F32))
+
+
 def _inv_rms(x: np.ndarray) -> np.ndarray:
     """1 / sqrt(mean(x²) + ε) over the last axis, kept as a trailing axis of length 1 (§3)."""
     mean_square = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
