@@ -415,6 +415,9 @@ def _check_cross_shapes(g, tensors):
         probes, gain = tensors[pre + "probes"], tensors[pre + "gain"]
         k = gain.shape[1]
         queries = tensors[pre + "query"].rows
+        if k == 0 or queries == 0:
+            # Empty softmaxes (§7 steps 1-2) have no meaning; every other check would pass.
+            _fail(pre + "gain", f"{k} probes per cell and {queries} queries (at least 1 each)")
         if probes.rows != cells * k:
             _fail(pre + "probes", f"{probes.rows} rows, expected cells*k = {cells * k}")
         if tensors[pre + "row_bias"].shape != (queries, cells, k):

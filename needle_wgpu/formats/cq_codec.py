@@ -175,7 +175,7 @@ def cq_encode(w: np.ndarray, bits: int, group: int, levels) -> bytes:
         codes = TERNARY_CRUMB_OF_LEVEL[codes]
     norms16 = norms.astype("<f2")
     if not np.isfinite(norms16).all():
-        raise ValueError("a CQ group norm overflows FP16")
+        raise ValueError("a CQ group norm is not finite in FP16 (NaN, infinity or above 65504)")
     return pack_codes(codes, bits).tobytes() + norms16.tobytes()
 
 

@@ -49,7 +49,8 @@ def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(x.shape[0], heads, -1)
 
 
-def position_heads(x: np.ndarray, heads: int, norm: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+def position_heads(x: np.ndarray, heads: int, norm: np.ndarray, positions: np.ndarray,
+                   theta: float) -> np.ndarray:
     """Query or key heads after the conv: split, per-head ZCRMSNorm, then RoPE (§4.5 items 5-7)."""
     return rope(head_norm(split_heads(x, heads), norm), positions, theta)
 

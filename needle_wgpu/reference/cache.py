@@ -33,7 +33,8 @@ class KvRing:
 
     def __init__(self, capacity: int, entry_shapes: tuple, entry_dtypes: tuple):
         self.capacity = capacity
-        self.buffers = tuple(np.zeros((capacity, *shape), dtype) for shape, dtype in zip(entry_shapes, entry_dtypes))
+        self.buffers = tuple(np.zeros((capacity, *shape), dtype)
+                             for shape, dtype in zip(entry_shapes, entry_dtypes))
 
     def read(self, length: int) -> tuple:
         """Entries of the last min(length, capacity) positions, oldest first, and their positions."""

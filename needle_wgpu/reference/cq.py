@@ -134,7 +134,8 @@ def prepare_input(x: np.ndarray, group: int) -> np.ndarray:
     return fwht(padded, group)
 
 
-def matmul_prepared(weight: CQMatrix, xh: np.ndarray, row_start: int = 0, rows: int | None = None) -> np.ndarray:
+def matmul_prepared(weight: CQMatrix, xh: np.ndarray, row_start: int = 0,
+                    rows: int | None = None) -> np.ndarray:
     """y[t, o] = Σ_g norm[o, g] · Σ_m level[code(o, gG+m)] · xh[t, gG+m] (§5.5.2-4).
 
     xh is a prepared activation [T, in_pad]; the result is [T, rows] for output rows

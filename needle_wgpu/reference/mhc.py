@@ -39,7 +39,8 @@ def broadcast_lanes(x0: np.ndarray, lanes: int) -> np.ndarray:
 
 def lane_norm(lanes: np.ndarray) -> np.ndarray:
     """nx = rms_unit(flatten(X_t)), lane-major (element lane·d + c) (§4.4): [T, n·d]."""
-    return rms_unit(lanes.reshape(lanes.shape[0], -1))
+    count, n, d = lanes.shape
+    return rms_unit(lanes.reshape(count, n * d))
 
 
 def lane_products(phi_pre: cq.CQMatrix, phi_post: cq.CQMatrix, phi_res: cq.CQMatrix,

@@ -68,8 +68,11 @@ class ReferenceModel:
     # ------------------------------------------------------------------ public forms
 
     def forward_sequence(self, ids) -> np.ndarray:
-        """Logits [T, head_rows] of every position of one sequence, no cache (§4)."""
+        """Logits [T, head_rows] of every position of one sequence, no cache (§4).
+        An empty sequence gives an empty [0, head_rows] array."""
         tokens = self._checked_sequence(ids)
+        if len(tokens) == 0:
+            return np.zeros((0, self.head_rows), F32)
         final, _ = self._forward_chunk(tokens, 0, None)
         return self.output_logits(final)
 
@@ -77,6 +80,8 @@ class ReferenceModel:
         """The hidden cells [T, L+1, d] (§4.8): cell 0 is the scaled embedding, cell i+1 the
         lane mean after layer i."""
         tokens = self._checked_sequence(ids)
+        if len(tokens) == 0:
+            return np.zeros((0, self.geometry.num_layers + 1, self.geometry.d_model), F32)
         _, cells = self._forward_chunk(tokens, 0, None)
         return cells
 
@@ -97,6 +102,7 @@ class ReferenceModel:
 
     def decode_step(self, token_id: int, cache: KVCache) -> np.ndarray:
         """Feed one id; logits [head_rows] of its position. A full cache raises `ContextFullError`."""
+        self._check_cache(cache)
         if cache.full:
             raise ContextFullError(f"context full: all {cache.capacity} positions are used")
         return self.prefill([token_id], cache)[0]
@@ -164,7 +170,8 @@ class ReferenceModel:
             pre, post, res = mhc.lane_products(w.phi_pre, w.phi_post, w.phi_res, layer, nx, g.mhc_lanes)
             u = mhc.mix_down(lanes, mhc.pre_weights(pre, p))  # §4.4
             delta = self._block(layer, u, positions, engram_kv, cache) - u  # §4.5 item 13
-            lanes = mhc.scatter_up(lanes, mhc.residual_mix(res, p), mhc.post_weights(post, p), delta)  # §4.7
+            hres, hpost = mhc.residual_mix(res, p), mhc.post_weights(post, p)
+            lanes = mhc.scatter_up(lanes, hres, hpost, delta)  # §4.7
             cells.append(mhc.lane_mean(lanes))
         if cache is not None:
             cache.remember_tokens(tokens)
@@ -174,9 +181,12 @@ class ReferenceModel:
     def _engram(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache | None) -> list:
         """Keys and convolved values [T, d] of every Engram site, computed before the layers (§4.2)."""
         g = self.geometry
-        history = cache.token_history if cache is not None else np.zeros(g.engram_max_order - 1, np.uint32)
-        idx = engram.hash_indices(tokens, history, g.engram_orders, g.engram_heads, g.engram_seed_heads,
-                                  g.engram_slots)
+        if cache is not None:
+            history = cache.token_history
+        else:
+            history = np.zeros(g.engram_max_order - 1, np.uint32)  # τ before position 0 is 0 (§4.2)
+        idx = engram.hash_indices(tokens, history, g.engram_orders, g.engram_heads,
+                                  g.engram_seed_heads, g.engram_slots)
         valid = engram.hash_validity(positions, g.engram_orders, g.engram_heads)
         out = []
         for s, site in enumerate(self.weights.engram):
@@ -204,40 +214,51 @@ class ReferenceModel:
         hada = w.hada[layer]
         return bx + hada_mlp(zc_rms_norm(bx, hada.pre_hada), hada)  # item 12
 
-    def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache | None) -> np.ndarray:
-        """Items 3-10 of §4.5; with a cache, also reads and extends its K/V and conv tails (§6)."""
+    def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray,
+                   cache: KVCache | None) -> np.ndarray:
+        """Items 3-10 of §4.5; with a cache, also reads and extends its conv tails and K/V (§6)."""
         g, p = self.geometry, self.weights.attention[layer]
         state = cache.layers[layer] if cache is not None else None
         q, k, v, gate = attention.project(h, p)  # item 3
         if p.q_taps is not None:  # item 4
-            tails = (state.q_tail, state.k_tail, state.v_tail) if state else (None, None, None)
+            tails = (None, None, None) if state is None else (state.q_tail, state.k_tail, state.v_tail)
             convolved = [causal_conv(x, taps, tail)
                          for x, taps, tail in zip((q, k, v), (p.q_taps, p.k_taps, p.v_taps), tails)]
-            if state:
+            if state is not None:
                 state.roll_tails(q, k, v)  # §6 item 2: the tails keep pre-conv rows
             q, k, v = convolved
-        theta = g.rope_theta
-        q_heads = attention.position_heads(q, g.num_heads, p.q_norm, positions, theta)  # items 5-7
-        k_heads = attention.position_heads(k, g.num_kv_heads, p.k_norm, positions, theta)
+        q_heads = attention.position_heads(q, g.num_heads, p.q_norm, positions, g.rope_theta)  # items 5-7
+        k_heads = attention.position_heads(k, g.num_kv_heads, p.k_norm, positions, g.rope_theta)
         v_heads = attention.split_heads(v, g.num_kv_heads)
+        o = self._attend(layer, q_heads, k_heads, v_heads, positions, cache)  # item 8
+        return attention.output(o, gate, p)  # items 9-10
 
+    def _attend(self, layer: int, q_heads: np.ndarray, k_heads: np.ndarray, v_heads: np.ndarray,
+                positions: np.ndarray, cache: KVCache | None) -> np.ndarray:
+        """Attention of the chunk's queries over the cached past plus the chunk itself (§6 item 1).
+
+        In int8 mode (needle-rs KvPrecision::Int8 = §4.9 item 4 only) q is A8 per head and k, v
+        are stored as int8 + scale; the chunk attends through that same integer form, so a
+        prefill equals stepped decode.
+        """
         int8 = cache is not None and cache.precision is KvPrecision.INT8
-        if int8:  # §4.9 item 4 only: A8 q per head, k and v stored as int8 per (position, kv head)
+        if int8:
             q_heads = fake_quant(q_heads)
             k_i8, k_scale = quantize_rows(k_heads)
             v_i8, v_scale = quantize_rows(v_heads)
             new = (k_i8, k_scale[..., 0], v_i8, v_scale[..., 0])
         else:
             new = (k_heads, v_heads)
-        if state:
-            past, past_positions = state.kv.read(int(positions[0]))
+        if cache is None:
+            entries, key_positions = new, positions
+        else:
+            ring = cache.layers[layer].kv
+            past, past_positions = ring.read(int(positions[0]))
             entries = tuple(np.concatenate(pair) for pair in zip(past, new))
             key_positions = np.concatenate((past_positions, positions))
-            state.kv.write(positions, new)
-        else:
-            entries, key_positions = new, positions
-        o = attention.attend(q_heads, positions, entries, key_positions, g.attention_span(layer), int8)  # item 8
-        return attention.output(o, gate, p)  # items 9-10
+            ring.write(positions, new)
+        span = self.geometry.attention_span(layer)
+        return attention.attend(q_heads, positions, entries, key_positions, span, int8)
 
     # ------------------------------------------------------------------ checks
 

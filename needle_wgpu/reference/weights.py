@@ -22,6 +22,10 @@ from .mhc import MhcLayer
 from .ops import F32
 
 
+HADA_NAMES = ("pre_hada", "d1", "d2", "b2", "d3", "d4", "w1a", "w1b", "w2a", "w2b", "w3a", "w3b",
+              "cond_v", "cond_u")
+
+
 def float_array(tensor: cact.Tensor) -> np.ndarray:
     """An FP16 or FP32 record as an f32 array of its shape (§8)."""
     dtype = {cact.FP16: "<f2", cact.FP32: "<f4"}[tensor.dtype]
@@ -80,8 +84,7 @@ def load_weights(f: cact.CactFile) -> Needle3Weights:
             out_proj=layer_cq(i, "out_proj"), post_norm=layer_array(i, "post_norm"),
             attn_gate=float(layer_array(i, "attn_gate")[0])))
         hada.append(HadaParams(
-            **{name: layer_array(i, name) for name in
-               ("pre_hada", "d1", "d2", "b2", "d3", "d4", "w1a", "w1b", "w2a", "w2b", "w3a", "w3b", "cond_v", "cond_u")},
+            **{name: layer_array(i, name) for name in HADA_NAMES},
             p1=p1, p2=p2))
         mhc.append(MhcLayer(active_lane=i % g.mhc_lanes, a_pre=float(a_pre[i]), a_post=float(a_post[i]),
                             a_res=float(a_res[i]), b_pre=b_pre[i], b_post=b_post[i], b_res=b_res[i]))

@@ -1,0 +1,160 @@
+"""The mHC lane stream on the GPU (spec §4.4, §4.5 items 1-2, §4.7): lane norm and mix_down.
+
+Per layer the model runs ``mhc_norm`` (lanes -> nxh), the band ``cq_matmul`` of the layer's 24
+phi rows (nxh -> mix_dots) and ``mhc_mix`` (lanes, mix_dots -> u, bx, hpost, Hres, hh). The
+block tail, including scatter_up, is ``kernels.mlp.mlp_mix``.
+
+Reference functions: ``reference.mhc`` (lane_norm, pre_weights, post_weights, residual_mix,
+mix_down), ``reference.engram.gate``, ``reference.ops.zc_rms_norm``, ``reference.cq.prepare_input``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+from ..gpu.device import Binding, Buffer, Device, KernelKey, Plan, UniformArena
+from .cq import fwht_scale
+from .params import Fp16Store
+
+MAX_LANES = 16  # the Sinkhorn works on n x n in workgroup memory, one row per invocation
+WORKGROUP_BYTES = 16384
+
+
+@dataclass
+class MhcState:
+    """The scratch that ``mhc_mix`` writes and ``mlp_mix`` reads, one buffer (f32 offsets).
+
+    u ``[T][d]`` at ``u_at``, bx ``[T][d]`` at ``bx_at``, hmix ``[T][n + n·n]`` at ``hmix_at``
+    (hpost_i at i, then Hres[i, j] at n + i·n + j). One buffer keeps mhc_mix at 7 storage
+    bindings and mlp_mix at 6. ``positions`` is the capacity (the largest chunk).
+    """
+
+    buffer: Buffer
+    positions: int
+    width: int
+    lanes: int
+
+    @property
+    def u_at(self) -> int:
+        return 0
+
+    @property
+    def bx_at(self) -> int:
+        return self.positions * self.width
+
+    @property
+    def hmix_at(self) -> int:
+        return 2 * self.positions * self.width
+
+    @property
+    def hmix_stride(self) -> int:
+        return self.lanes + self.lanes * self.lanes
+
+    @staticmethod
+    def floats(positions: int, width: int, lanes: int) -> int:
+        return positions * (2 * width + lanes + lanes * lanes)
+
+
+def mhc_state(device: Device, positions: int, width: int, lanes: int, label: str = "mhc_state") -> MhcState:
+    """Allocate the u / bx / hmix scratch for chunks of up to ``positions`` positions."""
+    buffer = device.buffer(4 * MhcState.floats(positions, width, lanes), label=label)
+    return MhcState(buffer, positions, width, lanes)
+
+
+@dataclass(frozen=True)
+class EngramGateInputs:
+    """Where one Engram site's K and V sit (dispatch table rows 3-4 of docs/gpu-layout.md).
+
+    K of site s is at ``ekv[t][s·2d : s·2d + d]`` (rows ``[T][sites·2d]``) and V at
+    ``ev[t][s][:]`` (rows ``[T][sites][d]``).
+    """
+
+    ekv: object  # Buffer or Binding
+    ev: object
+    site: int
+    sites: int
+
+
+def _pad(width: int, group: int) -> int:
+    return (width + group - 1) // group * group
+
+
+def _cap(in_pad: int) -> int:
+    """Workgroup buffer length: in_pad rounded up to 256 floats, so few pipeline variants exist."""
+    return (in_pad + 255) // 256 * 256
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def mhc_norm(plan: Plan, arena: UniformArena, lanes, nxh, *, lanes_n: int, width: int, group: int,
+             positions: int, lane_stride: int | None = None, lane_offset: int = 0,
+             y_stride: int | None = None, y_offset: int = 0) -> None:
+    """nxh[t] = prepare_input(rms_unit(flatten(X_t))) (§4.4, §5.5.1).
+
+    Bindings: 0 params (uniform), 1 lanes f32 ``[T][n][d]`` (read), 2 nxh f32
+    ``[T][pad(n·d)]`` (written). Strides default to n·d and pad(n·d); offsets are in floats.
+    Constants: GROUP, CAP (= pad(n·d) rounded up to 256), FWHT_SCALE. Workgroups: (T,), 256
+    invocations each; workgroup memory 4·CAP + 1 KiB (13 KiB shipped at n·d = 3072).
+    """
+    flat = lanes_n * width
+    in_pad = _pad(flat, group)
+    cap = _cap(in_pad)
+    if 4 * cap + 1024 > WORKGROUP_BYTES:
+        raise UnsupportedModelError(f"mhc_norm: n·d = {flat} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
+    key = KernelKey("mhc_norm", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
+    params = arena.add(flat, in_pad, lane_stride or flat, lane_offset, y_stride or in_pad, y_offset, 0, 0)
+    plan.add(key, [params, lanes, nxh], (positions,), label="mhc_norm")
+
+
+def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, state: MhcState, hh, *,
+            layer: int, lanes_n: int, width: int, group: int, positions: int,
+            active_lane: int | None = None, engram: EngramGateInputs | None = None,
+            mix_stride: int | None = None, mix_offset: int = 0, lane_stride: int | None = None,
+            lane_offset: int = 0, hh_stride: int | None = None, hh_offset: int = 0) -> None:
+    """mix_down, lane weights, Sinkhorn, Engram gate and the prepared block input (§4.4-§4.7).
+
+    Reads lanes ``[T][n][d]`` and mix_dots ``[T][n + n + n·n]`` (pre_j, post_j, res_ij: the raw
+    phi·nx products of the layer's band, from ``cq_matmul``). Writes into ``state`` u, bx and
+    hmix (hpost_i, Hres row-major) and into hh ``[T][pad(d)]`` = prepare_input(ZCRMSNorm(bx;
+    norm_in)), ready for the qkvg matmul.
+
+    ``layer`` indexes the stored tensors (``mhc.a_pre``…, ``layers.{layer}.norm_in``);
+    ``active_lane`` defaults to ``layer mod n`` (after ladder slicing, pass the block's new index
+    mod n, §10). ``engram`` is given at an Engram site layer, None elsewhere.
+
+    Bindings: 0 params, 1 lanes, 2 mix_dots, 3 fp16 (the store), 4 ekv, 5 ev (read; at a
+    non-site layer the lanes are bound there and never read), 6 state, 7 hh (written): 7 storage.
+    Constants: GROUP, CAP (pad(d) rounded up to 256), FWHT_SCALE. Workgroups: (T,), 256
+    invocations; workgroup memory 4·CAP + 5 KiB (8 KiB shipped).
+    """
+    n, d = lanes_n, width
+    if not 1 <= n <= MAX_LANES:
+        raise UnsupportedModelError(f"mhc_mix: {n} mHC lanes (at most {MAX_LANES} supported)")
+    if positions > state.positions or (state.width, state.lanes) != (d, n):
+        raise UnsupportedModelError("mhc_mix: the mhc_state scratch does not match this chunk")
+    d_pad = _pad(d, group)
+    cap = _cap(d_pad)
+    if 4 * cap + 4096 + 4 * MAX_LANES * (MAX_LANES + 1) > WORKGROUP_BYTES:
+        raise UnsupportedModelError(f"mhc_mix: d = {d} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
+    active = layer % n if active_lane is None else active_lane
+    if engram is None:
+        ekv = ev = lanes
+        gate = (0, 0, 0, 0, 0)
+    else:
+        ekv, ev = engram.ekv, engram.ev
+        gate = (1, engram.sites * 2 * d, engram.site * 2 * d, engram.sites * d, engram.site * d)
+    off = fp16.offset
+    params = arena.add(
+        n, d, d_pad, active, lane_stride or n * d, lane_offset, mix_stride or 2 * n + n * n, mix_offset,
+        *gate, state.u_at, state.bx_at, state.hmix_at, hh_stride or d_pad, hh_offset,
+        off("mhc.a_pre") + layer, off("mhc.a_post") + layer, off("mhc.a_res") + layer,
+        off("mhc.b_pre") + layer * n, off("mhc.b_post") + layer * n, off("mhc.b_res") + layer * n * n,
+        off(f"layers.{layer}.norm_in"), _f32(math.sqrt(d)), 0, 0)
+    key = KernelKey("mhc_mix", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
+    plan.add(key, [params, lanes, mix_dots, Binding(fp16.buffer), ekv, ev, Binding(state.buffer), hh],
+             (positions,), label=f"mhc_mix {layer}")

@@ -1,0 +1,117 @@
+"""The block tail on the GPU (spec §4.5 items 10-13, §4.6, §4.7, §4.8): ``mlp_mix``.
+
+Post norm and gated attention residual, the HadamardMLP (three Kronecker stages), the block
+delta, the mHC scatter_up into the lanes and, optionally, the layer's cell (lane mean).
+
+Reference functions: ``reference.ops.zc_rms_norm``, ``reference.attention.residual``,
+``reference.hada_mlp.hada_mlp``, ``reference.mhc.scatter_up`` and ``lane_mean``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+from ..formats.cact import CactFile
+from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
+from .mhc import MAX_LANES, MhcState
+from .params import Fp16Store
+
+WORKGROUP_BYTES = 16384
+THREADS = 256
+
+_placeholders: "weakref.WeakKeyDictionary[Device, object]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class HadaShape:
+    """Sizes of the HadaMLP: d, N = hada_n = ba·bb, the cond rank r (§0 item 3), ba and bb."""
+
+    width: int
+    hada_n: int
+    rank: int
+    ba: int
+    bb: int
+
+    @classmethod
+    def from_cact(cls, cact: CactFile) -> "HadaShape":
+        """Read the sizes from layer 0's records: cond_v [d, r], w1a [ba, ba], w1b [bb, bb]."""
+        g = cact.geometry
+        d, r = cact.layer(0, "cond_v").shape
+        ba, bb = cact.layer(0, "w1a").shape[0], cact.layer(0, "w1b").shape[0]
+        return cls(d, g.hada_n, r, ba, bb)
+
+    def check(self) -> None:
+        if self.ba * self.bb != self.hada_n or self.width > self.hada_n or not 1 <= self.rank <= self.hada_n:
+            raise UnsupportedModelError(f"HadaMLP sizes {self} are inconsistent (§4.6)")
+        if 4 * (2 * self.n_cap + self.f_cap + THREADS) > WORKGROUP_BYTES:
+            raise UnsupportedModelError(
+                f"mlp_mix: hada_n {self.hada_n} ({self.ba} x {self.bb}) needs more than "
+                f"{WORKGROUP_BYTES} bytes of workgroup memory")
+
+    @property
+    def n_cap(self) -> int:
+        return (self.hada_n + THREADS - 1) // THREADS * THREADS
+
+    @property
+    def f_cap(self) -> int:
+        """Factor buffer: holds A (ba²), B (bb²) and the r cond weights (r <= N <= max(ba,bb)²)."""
+        return max(self.ba * self.ba, self.bb * self.bb, self.rank)
+
+
+def _placeholder(device: Device):
+    """A 16-byte buffer bound as ``cells`` when no cell is written (the slot must be bound)."""
+    buffer = _placeholders.get(device)
+    if buffer is None:
+        buffer = device.buffer(16, label="no_cells")
+        _placeholders[device] = buffer
+    return buffer
+
+
+def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, state: MhcState, lanes, *,
+            layer: int, shape: HadaShape, lanes_n: int, positions: int, cells=None, cell_index: int | None = None,
+            cell_stride: int | None = None, attn_stride: int | None = None, attn_offset: int = 0,
+            lane_stride: int | None = None, lane_offset: int = 0) -> None:
+    """Block tail and scatter_up for one layer, in place in the lanes (§4.5 items 10-13, §4.6-§4.8).
+
+    Per position t, with u, bx, hpost, Hres from ``state`` (written by ``mhc_mix``) and a the
+    out_proj product ``attn_out[t]`` (``[T][d]``):
+    bx += σ(attn_gate)·ZCRMSNorm(a; post_norm); bx += HadaMLP(ZCRMSNorm(bx; pre_hada));
+    y = bx − u; X'[i] = Σ_j Hres[i,j]·X[j] + hpost_i·y written into lanes ``[T][n][d]``; with
+    ``cells`` (``[T][L+1][d]``) the lane mean goes to cell ``cell_index`` (default layer + 1).
+
+    ``layer`` indexes the stored tensors ``layers.{layer}.*``; ``perm`` is the u32 buffer of
+    ``params.permutation_words`` (p1 at word 0, p2 at word hada_n).
+
+    Bindings: 0 params, 1 attn_out (read), 2 state (read), 3 lanes (read-write), 4 fp16,
+    5 perm (read), 6 cells (written; a placeholder when None): 6 storage. Constants: N_CAP
+    (hada_n rounded up to 256), F_CAP (max(ba², bb², r)). Workgroups: (T,), 256 invocations;
+    workgroup memory 4·(2·N_CAP + F_CAP + 256) bytes (13 KiB shipped).
+    """
+    shape.check()
+    n, d, N = lanes_n, shape.width, shape.hada_n
+    if not 1 <= n <= MAX_LANES:
+        raise UnsupportedModelError(f"mlp_mix: {n} mHC lanes (at most {MAX_LANES} supported)")
+    if positions > state.positions or (state.width, state.lanes) != (d, n):
+        raise UnsupportedModelError("mlp_mix: the mhc_state scratch does not match this chunk")
+    if cells is None:
+        cells, write_cell, cell_offset, cell_stride = _placeholder(plan.device), 0, 0, 0
+    else:
+        write_cell = 1
+        cell_offset = ((layer + 1) if cell_index is None else cell_index) * d
+        if cell_stride is None:
+            raise UnsupportedModelError("mlp_mix: cell_stride is required with cells ((L+1)·d)")
+
+    def at(name: str) -> int:
+        return fp16.offset(f"layers.{layer}.{name}")
+
+    params = arena.add(
+        n, d, N, shape.rank, shape.ba, shape.bb, lane_stride or n * d, lane_offset,
+        attn_stride or d, attn_offset, state.u_at, state.bx_at, state.hmix_at, cell_stride, cell_offset, write_cell,
+        *(at(name) for name in ("post_norm", "attn_gate", "pre_hada", "d1", "d2", "b2", "d3", "d4",
+                                "w1a", "w1b", "w2a", "w2b", "w3a", "w3b", "cond_v", "cond_u")),
+        0, N, 0, 0)
+    key = KernelKey("mlp_mix", consts=(("N_CAP", shape.n_cap), ("F_CAP", shape.f_cap)))
+    plan.add(key, [params, attn_out, Binding(state.buffer), lanes, Binding(fp16.buffer), perm, cells],
+             (positions,), label=f"mlp_mix {layer}")
