@@ -272,7 +272,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
         mean += lane;
       }
       if (params.write_cell != 0u) {
-        cells[params.cell_offset + t * params.cell_stride + c] = mean;
+        cells[params.cell_offset + t * params.cell_stride + c] = mean / f32(n);
       }
     }
   }

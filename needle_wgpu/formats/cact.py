@@ -128,9 +128,13 @@ class CactFile:
         return name in self.tensors
 
     def levels(self, bits: int) -> tuple:
-        """The codebook levels of one bit width (§5.3), already divided by sqrt(G)."""
+        """The codebook levels of one bit width (§5.3), already divided by sqrt(G).
+
+        Ternary records have no header levels: theirs are ±1.2240064/sqrt(G) (§5.2), derived
+        from the group by the code that decodes them, so this returns ().
+        """
         if bits == TERNARY:
-            return (-1.2240064, 0.0, 1.2240064)
+            return ()
         lo, hi = CODEBOOK_SLICES[bits]
         return self.codebook[lo:hi]
 

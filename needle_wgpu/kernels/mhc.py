@@ -105,7 +105,8 @@ def mhc_norm(plan: Plan, arena: UniformArena, lanes, nxh, *, lanes_n: int, width
     in_pad = _pad(flat, group)
     cap = _cap(in_pad)
     if 4 * cap + 1024 > WORKGROUP_BYTES:
-        raise UnsupportedModelError(f"mhc_norm: n·d = {flat} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
+        raise UnsupportedModelError(
+            f"mhc_norm: n·d = {flat} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
     key = KernelKey("mhc_norm", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
     params = arena.add(flat, in_pad, lane_stride or flat, lane_offset, y_stride or in_pad, y_offset, 0, 0)
     plan.add(key, [params, lanes, nxh], (positions,), label="mhc_norm")
@@ -129,6 +130,7 @@ def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, s
 
     Bindings: 0 params, 1 lanes, 2 mix_dots, 3 fp16 (the store), 4 ekv, 5 ev (read; at a
     non-site layer the lanes are bound there and never read), 6 state, 7 hh (written): 7 storage.
+    state and hh are written, so they must be buffers distinct from each other and the inputs.
     Constants: GROUP, CAP (pad(d) rounded up to 256), FWHT_SCALE. Workgroups: (T,), 256
     invocations; workgroup memory 4·CAP + 5 KiB (8 KiB shipped).
     """

@@ -85,7 +85,8 @@ def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, st
     ``params.permutation_words`` (p1 at word 0, p2 at word hada_n).
 
     Bindings: 0 params, 1 attn_out (read), 2 state (read), 3 lanes (read-write), 4 fp16,
-    5 perm (read), 6 cells (written; a placeholder when None): 6 storage. Constants: N_CAP
+    5 perm (read), 6 cells (written; a placeholder when None): 6 storage. lanes and cells are
+    written, so attn_out and state must not live in either of those buffers. Constants: N_CAP
     (hada_n rounded up to 256), F_CAP (max(ba², bb², r)). Workgroups: (T,), 256 invocations;
     workgroup memory 4·(2·N_CAP + F_CAP + 256) bytes (13 KiB shipped).
     """

@@ -22,7 +22,8 @@ def dot_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     product whose summation order does not depend on M, so a position gets bit-identical
     results whether it is computed alone (decode) or in a batch (prefill). BLAS f32 matmul
     does not promise that, and int8 K/V rounding would amplify its last-bit differences
-    (§6 item 1: prefill must attend through exactly what stepped decode stores).
+    (§6 item 1: prefill must attend through exactly what stepped decode stores). NumPy's
+    einsum without `optimize` runs its own loops, never BLAS; a test guards the invariance.
     """
     return np.einsum("mk,nk->mn", np.ascontiguousarray(x, F32), np.ascontiguousarray(w, F32))
 
