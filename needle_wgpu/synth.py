@@ -4,8 +4,8 @@ The weights are random but scaled so that a forward pass stays O(1) through ever
 the logits have a real spread: unit-RMS projections, near-identity convolution taps, norm
 offsets near 0 (except the final norm, see ``FINAL_NORM_OFFSET``), orthogonal Kronecker
 factors, and mHC parameters near the upstream initialisation (§4.7 note), where lane mixing is
-almost the identity and each block adds a bounded delta. The bit scheme is the shipped one (§2): embedding, mHC phi and probe heads CQ-4,
-every other CQ tensor CQ-2, group 128.
+almost the identity and each block adds a bounded delta. The bit scheme is the shipped one
+(§2): embedding, mHC phi and probe heads CQ-4, every other CQ tensor CQ-2, group 128.
 
 ``synthesize("tiny", seed)`` has the geometry of the independent fixture
 (``shared/fixtures/needle3/README.md``), ``"small"`` is sized for GPU tests, and

@@ -31,6 +31,8 @@ class Needle3Gpu:
         self.levels = device.buffer(256, label="levels", data=cq.levels_bytes(container), kind="weights")
         self.fp16 = Fp16Store(device, container)
         self.perm = device.buffer(8 * g.hada_n, label="perm", data=permutation_words(container), kind="weights")
+        self.hada_shape = mlp_ops.HadaShape.from_cact(container)
+        self.hada_shape.check()
         self.embedding = cq.upload_pack(device, "embedding", [container["embedding"]])
         self.layers = []
         for i in range(g.num_layers):
@@ -103,9 +105,7 @@ class Needle3Session:
         self.lanes = s(g.mhc_lanes * g.d_model, "lanes")
         self.nxh = s(_pad(g.mhc_width, G), "nxh")
         self.mix = s(model.mix_width, "mix")
-        self.u = s(g.d_model, "u")
-        self.bx = s(g.d_model, "bx")
-        self.hmix = s(g.mhc_lanes + g.mhc_lanes ** 2, "hmix")
+        self.state = mhc_ops.mhc_state(dev, T, g.d_model, g.mhc_lanes)
         self.hh = s(_pad(g.d_model, G), "hh")
         self.qkvg = s(g.q_dim + g.k_dim + g.v_dim + g.attn_out, "qkvg")
         self.q = s(g.q_dim, "q")
@@ -155,12 +155,13 @@ class Needle3Session:
         qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         for layer in range(g.num_layers):
             weights = m.layers[layer]
-            mhc_ops.norm(plan, arena, geometry=g, lanes=self.lanes, nxh=self.nxh, positions=T, group=G)
+            mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T)
             cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
                       y_stride=m.mix_width, row_start=layer * m.mix_width, rows=m.mix_width)
-            mhc_ops.mix(plan, arena, geometry=g, layer=layer, fp16_store=m.fp16, lanes=self.lanes, mix=self.mix,
-                        ekv=self.ekv, ev=self.ev, u=self.u, bx=self.bx, hmix=self.hmix, hh=self.hh,
-                        positions=T, group=G)
+            site = g.engram_site(layer)
+            gate = mhc_ops.EngramGateInputs(self.ekv, self.ev, site, sites) if site >= 0 else None
+            mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=layer,
+                            lanes_n=n, width=d, group=G, positions=T, engram=gate)
             cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
                       y_stride=qkvg_width)
             attention_ops.qkv_post(plan, arena, step, geometry=g, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
@@ -171,8 +172,8 @@ class Needle3Session:
             cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
                       x_stride=_pad(g.attn_out, G), y_stride=d)
-            mlp_ops.mlp_mix(plan, arena, geometry=g, layer=layer, fp16_store=m.fp16, perm=m.perm, a=self.a,
-                            bx=self.bx, u=self.u, hmix=self.hmix, lanes=self.lanes, positions=T)
+            mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=layer,
+                            shape=m.hada_shape, lanes_n=n, positions=T)
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
                              positions=T, group=G)
