@@ -117,6 +117,7 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     taps_at += [0] * (MAX_SITES - sites)
     params = arena.add(d, g.engram_conv_taps, g.engram_conv_dilation, g.engram_max_order, ring_size,
                        sites * 2 * d, 2 * d, d, sites, 0, 0, 0, *taps_at)
+    # The module's fetch constants must be defined to compile; conv does not depend on them.
     key = KernelKey("engram", entry="conv", consts=(
         ("CODE_BITS", 2), ("LEVEL_BASE", 0), ("GROUP", 128), ("CAP", 256), ("FWHT_SCALE", fwht_scale(128)),
         ("MAX_TABLES", MAX_TABLES)))

@@ -3,6 +3,7 @@
 Fixture: tiny.cact (d 256, 4 tables of sub_dim 64 < the 128 group, 257 slots, 2 sites).
 """
 
+import dataclasses
 import math
 import struct
 
@@ -44,7 +45,11 @@ class Gpu:
         return ref_cq.CQMatrix.from_tensor(t, self.f.levels(t.bits))
 
     def read(self, buffer, count, dtype=np.float32):
-        return np.frombuffer(self.device.read(buffer, 4 * count), dtype).copy()
+        return read(self.device, buffer, count, dtype)
+
+
+def read(device, buffer, count, dtype=np.float32):
+    return np.frombuffer(device.read(buffer, 4 * count), dtype).copy()
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +75,8 @@ def expected_embedding(gpu, ids):
     return ref_cq.dequantize_rows(gpu.cq_matrix("embedding"), rows) * F32(np.sqrt(F32(g.d_model)))
 
 
-def run_embed(device, gpu, pack, ids, pos0, cells):
-    g, T = gpu.g, len(ids)
+def run_embed(device, g, levels, pack, ids, pos0, cells):
+    T = len(ids)
     tokens = device.buffer(4 * (pos0 + T + 4), label="tokens")
     device.write(tokens, struct.pack(f"<{T}I", *ids), 4 * pos0)
     step = device.buffer(16, label="step", usage="uniform")
@@ -79,13 +84,13 @@ def run_embed(device, gpu, pack, ids, pos0, cells):
     lanes = device.buffer(4 * T * g.mhc_lanes * g.d_model, label="lanes")
     cell_buffer = device.buffer(4 * T * (g.num_layers + 1) * g.d_model, label="cells") if cells else None
     arena, plan = UniformArena(device), Plan(device, "embed")
-    embed_ops.embed(plan, arena, step, geometry=g, pack=pack, levels=gpu.levels, tokens=tokens, lanes=lanes,
+    embed_ops.embed(plan, arena, step, geometry=g, pack=pack, levels=levels, tokens=tokens, lanes=lanes,
                     positions=T, cells=cell_buffer)
     device.run(plan)
-    got = gpu.read(lanes, T * g.mhc_lanes * g.d_model).reshape(T, g.mhc_lanes, g.d_model)
+    got = read(device, lanes, T * g.mhc_lanes * g.d_model).reshape(T, g.mhc_lanes, g.d_model)
     got_cells = None
     if cells:
-        got_cells = gpu.read(cell_buffer, T * (g.num_layers + 1) * g.d_model).reshape(T, g.num_layers + 1, -1)
+        got_cells = read(device, cell_buffer, T * (g.num_layers + 1) * g.d_model).reshape(T, g.num_layers + 1, -1)
     return got, got_cells
 
 
@@ -93,7 +98,7 @@ IDS = [2, 0, 511, 512, 70000, 0xFFFFFFFF, 17, 300, 2]  # 512 and above clamp to 
 
 
 def test_embed_lanes_and_cells(device, gpu):
-    got, cells = run_embed(device, gpu, gpu.embedding, IDS, pos0=5, cells=True)
+    got, cells = run_embed(device, gpu.g, gpu.levels, gpu.embedding, IDS, pos0=5, cells=True)
     want = expected_embedding(gpu, IDS)
     for j in range(gpu.g.mhc_lanes):
         assert rel(got[:, j], want) <= GATE
@@ -103,9 +108,51 @@ def test_embed_lanes_and_cells(device, gpu):
     assert np.array_equal(got[3, 0], got[2, 0])  # 512 reads row 511
 
 
+def test_embed_matches_rust_cells(device, gpu, fixture_dir):
+    """Cell 0 of the independent engine's fixture is the scaled embedding (§4.8)."""
+    ids = [2, 242, 262, 386, 486, 17, 73]  # the fixture README's len7 ids
+    rust = np.fromfile(fixture_dir / "tiny.len7.cells.f32.bin", "<f4").reshape(7, gpu.g.num_layers + 1, -1)
+    _, cells = run_embed(device, gpu.g, gpu.levels, gpu.embedding, ids, pos0=0, cells=True)
+    assert rel(cells[:, 0], rust[:, 0]) <= GATE
+
+
 def test_embed_without_cells(device, gpu):
-    got, _ = run_embed(device, gpu, gpu.embedding, IDS[:4], pos0=0, cells=False)
+    got, _ = run_embed(device, gpu.g, gpu.levels, gpu.embedding, IDS[:4], pos0=0, cells=False)
     assert rel(got[:, 1], expected_embedding(gpu, IDS[:4])) <= GATE
+
+
+class RandomLevels:
+    """Just enough of a CactFile for levels_bytes: a sorted random codebook."""
+
+    def __init__(self, tensor):
+        self.codebook = tuple(np.sort(np.random.default_rng(1).normal(size=28) / 11.3).astype(F32).tolist())
+        self.tensors = {"embedding": tensor}
+
+    def levels(self, bits):
+        return cact.CactFile.levels(self, bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, cact.TERNARY])
+def test_embed_any_width(device, gpu, bits):
+    """Any code width, and a width d that is not a multiple of the group (rows truncated)."""
+    vocab, d, group = 40, 200, 128
+    row_bytes = 256 * (2 if bits == cact.TERNARY else bits) // 8
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 256, size=vocab * row_bytes, dtype=np.uint8).tobytes()
+    norms = rng.uniform(0.5, 2.0, size=vocab * 2).astype("<f2").tobytes()
+    blob = memoryview(codes + norms)
+    tensor = cact.Tensor(0, "embedding", cact.CQ, (vocab, d), 0, len(blob), group, bits, blob)
+    source = RandomLevels(tensor)
+    levels = device.buffer(256, label="levels", data=cq.levels_bytes(source))
+    pack = cq.upload_pack(device, "embedding", [tensor])
+    g = dataclasses.replace(gpu.g, vocab=vocab, out_vocab=vocab, d_model=d)
+    ids = [0, 39, 40, 7, 1 << 31]
+    got, _ = run_embed(device, g, levels, pack, ids, pos0=1, cells=False)
+    matrix = ref_cq.CQMatrix.from_tensor(tensor, source.levels(bits) if bits != cact.TERNARY else ())
+    rows = np.minimum(np.asarray(ids), vocab - 1)
+    want = ref_cq.dequantize_rows(matrix, rows) * F32(np.sqrt(F32(d)))
+    assert got.shape == (len(ids), g.mhc_lanes, d)
+    assert rel(got[:, 3], want) <= GATE
 
 
 def test_embed_split_pack(tiny):
@@ -114,7 +161,7 @@ def test_embed_split_pack(tiny):
     split = Gpu(small, tiny)
     assert len(split.embedding.slices) >= 4
     ids = [0, 300, 511, 70000]  # rows in the first, a middle and the last slice (lanes: 16 KiB)
-    got, _ = run_embed(small, split, split.embedding, ids, pos0=3, cells=False)
+    got, _ = run_embed(small, split.g, split.levels, split.embedding, ids, pos0=3, cells=False)
     assert rel(got[:, 2], expected_embedding(split, ids)) <= GATE
 
 
