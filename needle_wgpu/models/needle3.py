@@ -120,7 +120,7 @@ class Needle3Session:
         self.engram_ring = dev.buffer(F32 * sites * self.ring * g.d_model, label="engram_ring", kind="session")
         self.qkv_rings = [dev.buffer(F32 * self.ring * (g.q_dim + g.k_dim + g.v_dim), label=f"qkv_ring.{i}",
                                      kind="kv") for i in range(g.num_layers)]
-        self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8) for i in range(g.num_layers)]
+        self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8, chunk=T) for i in range(g.num_layers)]
 
     # ------------------------------------------------------------------ plans
     def _plan(self, positions: int, sample: Sampling | None, cells: bool = False) -> tuple:
