@@ -69,6 +69,7 @@ def final_norm(plan: Plan, arena: UniformArena, *, geometry: Needle3Geometry, fp
     d_pad = -(-g.d_model // group) * group
     key = KernelKey("final_norm", consts=(("GROUP", group), ("CAP", workgroup_cap(d_pad)),
                                           ("FWHT_SCALE", fwht_scale(group))))
-    params = arena.add(g.d_model, g.mhc_lanes, d_pad, fp16_store.offset("final_norm"), g.mhc_lanes * g.d_model,
+    window = fp16_store.window(["final_norm"])
+    params = arena.add(g.d_model, g.mhc_lanes, d_pad, window.offset("final_norm"), g.mhc_lanes * g.d_model,
                        0, 0, 0)
-    plan.add(key, [params, fp16_store.buffer, lanes, xfh], (positions,), label="final_norm")
+    plan.add(key, [params, window.binding, lanes, xfh], (positions,), label="final_norm")

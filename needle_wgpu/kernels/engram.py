@@ -113,7 +113,8 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     if ring_size < need:
         raise DeviceLimitError(f"engram ring of {ring_size} slots is too small for chunks of {positions} "
                                f"(needs {need} = T + (taps - 1)·dilation)")
-    taps_at = [fp16_store.offset(f"engram.{s}.taps") for s in range(sites)]
+    window = fp16_store.window([f"engram.{s}.taps" for s in range(sites)])
+    taps_at = [window.offset(f"engram.{s}.taps") for s in range(sites)]
     taps_at += [0] * (MAX_SITES - sites)
     params = arena.add(d, g.engram_conv_taps, g.engram_conv_dilation, g.engram_max_order, ring_size,
                        sites * 2 * d, 2 * d, d, sites, 0, 0, 0, *taps_at)
@@ -121,5 +122,5 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     key = KernelKey("engram", entry="conv", consts=(
         ("CODE_BITS", 2), ("LEVEL_BASE", 0), ("GROUP", 128), ("CAP", 256), ("FWHT_SCALE", fwht_scale(128)),
         ("MAX_TABLES", MAX_TABLES)))
-    plan.add(key, [params, step, fp16_store.buffer, ekv, ring, ev], (-(-d // 256), positions, sites),
+    plan.add(key, [params, step, window.binding, ekv, ring, ev], (-(-d // 256), positions, sites),
              label="engram conv")

@@ -150,13 +150,15 @@ def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, s
     else:
         ekv, ev = engram.ekv, engram.ev
         gate = (1, engram.sites * 2 * d, engram.site * 2 * d, engram.sites * d, engram.site * d)
-    off = fp16.offset
+    window = fp16.layer_window(layer)
+    off = window.offset
+    mhc = f"layers.{layer}.mhc."
     params = arena.add(
         n, d, d_pad, active, lane_stride or n * d, lane_offset, mix_stride or 2 * n + n * n, mix_offset,
         *gate, state.u_at, state.bx_at, state.hmix_at, hh_stride or d_pad, hh_offset,
-        off("mhc.a_pre") + layer, off("mhc.a_post") + layer, off("mhc.a_res") + layer,
-        off("mhc.b_pre") + layer * n, off("mhc.b_post") + layer * n, off("mhc.b_res") + layer * n * n,
+        off(mhc + "a_pre"), off(mhc + "a_post"), off(mhc + "a_res"),
+        off(mhc + "b_pre"), off(mhc + "b_post"), off(mhc + "b_res"),
         off(f"layers.{layer}.norm_in"), _f32(math.sqrt(d)), 0, 0)
     key = KernelKey("mhc_mix", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
-    plan.add(key, [params, lanes, mix_dots, Binding(fp16.buffer), ekv, ev, Binding(state.buffer), hh],
+    plan.add(key, [params, lanes, mix_dots, window.binding, ekv, ev, Binding(state.buffer), hh],
              (positions,), label=f"mhc_mix {layer}")

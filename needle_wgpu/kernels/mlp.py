@@ -104,8 +104,10 @@ def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, st
         if cell_stride is None:
             raise UnsupportedModelError("mlp_mix: cell_stride is required with cells ((L+1)·d)")
 
+    window = fp16.layer_window(layer)
+
     def at(name: str) -> int:
-        return fp16.offset(f"layers.{layer}.{name}")
+        return window.offset(f"layers.{layer}.{name}")
 
     params = arena.add(
         n, d, N, shape.rank, shape.ba, shape.bb, lane_stride or n * d, lane_offset,
@@ -114,5 +116,5 @@ def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, st
                                 "w1a", "w1b", "w2a", "w2b", "w3a", "w3b", "cond_v", "cond_u")),
         0, N, 0, 0)
     key = KernelKey("mlp_mix", consts=(("N_CAP", shape.n_cap), ("F_CAP", shape.f_cap)))
-    plan.add(key, [params, attn_out, Binding(state.buffer), lanes, Binding(fp16.buffer), perm, cells],
+    plan.add(key, [params, attn_out, Binding(state.buffer), lanes, window.binding, perm, cells],
              (positions,), label=f"mlp_mix {layer}")

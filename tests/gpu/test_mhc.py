@@ -12,7 +12,8 @@ import pytest
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Plan, UniformArena
 from needle_wgpu.kernels import mhc
-from needle_wgpu.kernels.params import Fp16Store
+from needle_wgpu.gpu.device import Binding
+from needle_wgpu.kernels.params import Fp16Store, Fp16Window
 from needle_wgpu.reference import cq as ref_cq
 from needle_wgpu.reference import engram as ref_engram
 from needle_wgpu.reference import mhc as ref_mhc
@@ -91,6 +92,15 @@ class FakeStore:
 
     def offset(self, name):
         return self.offsets[name]
+
+    def layer_window(self, layer):
+        """The whole buffer, with the per-layer mHC slice names the real store provides."""
+        offsets = dict(self.offsets)
+        for name, value in self.values.items():
+            if name.startswith("mhc."):
+                per_layer = int(np.prod(value.shape[1:], dtype=int))
+                offsets[f"layers.{layer}.{name}"] = self.offsets[name] + layer * per_layer
+        return Fp16Window(Binding(self.buffer), 0, offsets)
 
 
 def random_lanes(rng, n, d):

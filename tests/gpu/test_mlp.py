@@ -11,7 +11,8 @@ import pytest
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Plan, UniformArena
 from needle_wgpu.kernels import mhc, mlp
-from needle_wgpu.kernels.params import Fp16Store, permutation_words
+from needle_wgpu.gpu.device import Binding
+from needle_wgpu.kernels.params import Fp16Store, Fp16Window, permutation_words
 from needle_wgpu.reference import attention as ref_attention
 from needle_wgpu.reference import mhc as ref_mhc
 from needle_wgpu.reference.hada_mlp import HadaParams, hada_mlp
@@ -83,6 +84,7 @@ class SyntheticModel:
         self.store = type("Store", (), {})()
         self.store.buffer = upload(device, np.frombuffer(b"".join(blobs), np.uint8), "fp16")
         self.store.offset = self.offsets.__getitem__
+        self.store.layer_window = lambda layer: Fp16Window(Binding(self.store.buffer), 0, self.offsets)
         self.p1, self.p2 = rng.permutation(count), rng.permutation(count)
         self.perm = upload(device, np.concatenate((self.p1, self.p2)).astype("<u4"), "perm")
         self.shape = mlp.HadaShape(d, count, rank, ba, bb)

@@ -1,0 +1,218 @@
+"""Build the browser demo into web/dist/: a static site that needs nothing from the internet.
+
+    python build.py                 # build (or refresh) web/dist/
+    python build.py --clean         # start from an empty web/dist/ (the caches under build/ stay)
+    python build.py --serve 8000    # build, then serve http://127.0.0.1:8000/
+
+What goes in (web/README-section.md has the details):
+  pyodide/           Pyodide core, pinned, from the npm registry (`npm pack`, cached in build/)
+  wheels/<hash>/     the needle_wgpu wheel (pure Python, shaders inside), rebuilt when a source changes
+  models/            a small synthetic Needle 3 model (synthesize("tiny", 0))
+  index.html ...     the page, worker and styles from web/, stamped with the build id
+  build.json         what the worker loads (wheel path, model list, versions)
+
+The only network access is at build time, to the npm registry (once: the tarball is cached) and
+to PyPI for the wheel's build backend (pip's own cache). Nothing is fetched when the page runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+WEB = ROOT / "web"
+DIST = WEB / "dist"
+CACHE = ROOT / "build" / "web-cache"
+
+PYODIDE_VERSION = "314.0.7"
+PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")
+PAGE_FILES = ("index.html", "app.js", "worker.js", "style.css", "needle_worker.py")
+STAMPED = ("index.html", "app.js", "worker.js")  # files whose __BUILD_ID__ is replaced
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "needle_wgpu", "shaders")
+BUNDLED_MODEL = ("needle3-tiny.cact", "tiny", 0)  # file name, synth geometry, seed
+
+
+def log(message: str) -> None:
+    print(f"[build] {message}", flush=True)
+
+
+def tree_hash(paths) -> str:
+    """A hash of file names and contents (caches are keyed by it)."""
+    digest = hashlib.sha256()
+    for top in paths:
+        top = ROOT / top
+        files = sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top]
+        for path in files:
+            if "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def copy_if_changed(source: Path, target: Path) -> None:
+    if target.exists() and target.stat().st_size == source.stat().st_size and target.read_bytes() == source.read_bytes():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+
+
+# ------------------------------------------------------------------------------------ pyodide
+def pyodide_package() -> Path:
+    """The unpacked npm package of the pinned Pyodide (npm pack once, then from build/)."""
+    unpacked = CACHE / f"pyodide-{PYODIDE_VERSION}" / "package"
+    if all((unpacked / name).exists() for name in PYODIDE_FILES):
+        return unpacked
+    tarball = CACHE / f"pyodide-{PYODIDE_VERSION}.tgz"
+    if not tarball.exists():
+        log(f"npm pack pyodide@{PYODIDE_VERSION} (once; cached in {tarball.parent.relative_to(ROOT)})")
+        CACHE.mkdir(parents=True, exist_ok=True)
+        npm = shutil.which("npm")
+        if npm is None:
+            sys.exit("build.py: npm is needed once to fetch Pyodide (apt-get install npm)")
+        result = subprocess.run([npm, "pack", f"pyodide@{PYODIDE_VERSION}", "--pack-destination", str(CACHE)],
+                                capture_output=True, text=True)
+        if result.returncode != 0 or not tarball.exists():
+            sys.exit(f"build.py: npm pack failed:\n{result.stderr.strip()}")
+    target = unpacked.parent
+    if target.exists():
+        shutil.rmtree(target)
+    with tarfile.open(tarball) as archive:
+        members = [m for m in archive.getmembers()
+                   if m.isfile() and m.name.startswith("package/") and ".." not in Path(m.name).parts]
+        archive.extractall(target, members=members)
+    missing = [name for name in PYODIDE_FILES if not (unpacked / name).exists()]
+    if missing:
+        sys.exit(f"build.py: the pyodide package lacks {missing}")
+    return unpacked
+
+
+# ------------------------------------------------------------------------------------ wheel
+def build_wheel() -> tuple:
+    """The needle_wgpu wheel, built from a clean copy of the sources; cached by their hash."""
+    key = tree_hash(WHEEL_SOURCES)
+    out = CACHE / "wheels" / key
+    found = sorted(out.glob("*.whl")) if out.exists() else []
+    if found:
+        return found[0], key
+    log("building the needle_wgpu wheel (pip wheel --no-deps)")
+    with tempfile.TemporaryDirectory(prefix="needle-wheel-") as scratch:
+        source = Path(scratch) / "src"
+        for name in WHEEL_SOURCES:
+            path = ROOT / name
+            if path.is_dir():
+                shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                source.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, source / name)
+        out.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                                 "--disable-pip-version-check", "-w", str(out), str(source)],
+                                capture_output=True, text=True)
+    found = sorted(out.glob("*.whl"))
+    if result.returncode != 0 or len(found) != 1 or not found[0].name.endswith("-py3-none-any.whl"):
+        shutil.rmtree(out, ignore_errors=True)
+        sys.exit(f"build.py: pip wheel failed:\n{result.stdout}{result.stderr}")
+    return found[0], key
+
+
+# ------------------------------------------------------------------------------------ model
+def build_model() -> dict:
+    """The bundled synthetic model; regenerated only when the writer's sources change."""
+    name, geometry, seed = BUNDLED_MODEL
+    key = tree_hash(["needle_wgpu/synth.py", "needle_wgpu/formats"])
+    cached = CACHE / "models" / f"{key}-{name}"
+    if not cached.exists():
+        log(f"writing the synthetic model synthesize({geometry!r}, {seed})")
+        sys.path.insert(0, str(ROOT))
+        from needle_wgpu.synth import synthesize
+
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        temporary = cached.with_suffix(".part")
+        temporary.write_bytes(synthesize(geometry, seed))
+        temporary.replace(cached)
+    target = DIST / "models" / name
+    copy_if_changed(cached, target)
+    return {"name": f"Synthetic Needle 3 (tiny, seed {seed})", "file": f"models/{name}",
+            "bytes": target.stat().st_size, "synthetic": True}
+
+
+# ------------------------------------------------------------------------------------ site
+def build(clean: bool = False) -> dict:
+    started = time.perf_counter()
+    if clean and DIST.exists():
+        shutil.rmtree(DIST)
+    DIST.mkdir(parents=True, exist_ok=True)
+
+    package = pyodide_package()
+    for name in PYODIDE_FILES:
+        copy_if_changed(package / name, DIST / "pyodide" / name)
+
+    wheel, wheel_key = build_wheel()
+    wheel_target = DIST / "wheels" / wheel_key / wheel.name
+    for old in (DIST / "wheels").glob("*") if (DIST / "wheels").exists() else ():
+        if old.name != wheel_key:
+            shutil.rmtree(old)
+    copy_if_changed(wheel, wheel_target)
+
+    model = build_model()
+
+    build_id = tree_hash([f"web/{name}" for name in PAGE_FILES] + list(WHEEL_SOURCES))
+    for name in PAGE_FILES:
+        source = WEB / name
+        if name in STAMPED:
+            text = source.read_text().replace("__BUILD_ID__", build_id)
+            target = DIST / name
+            if not target.exists() or target.read_text() != text:
+                target.write_text(text)
+        else:
+            copy_if_changed(source, DIST / name)
+
+    manifest = {
+        "build": build_id,
+        "pyodide": PYODIDE_VERSION,
+        "wheel": str(wheel_target.relative_to(DIST)),
+        "glue": "needle_worker.py",
+        "models": [model],
+    }
+    (DIST / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    size = sum(p.stat().st_size for p in DIST.rglob("*") if p.is_file())
+    log(f"web/dist ready: {size / 1e6:.1f} MB, build {build_id}, {time.perf_counter() - started:.1f} s")
+    return manifest
+
+
+def serve(port: int) -> None:
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(DIST))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", port), handler) as server:
+        log(f"serving http://127.0.0.1:{server.server_address[1]}/ (Ctrl+C stops)")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Build the needle-wgpu browser demo into web/dist/.")
+    parser.add_argument("--clean", action="store_true", help="empty web/dist/ first")
+    parser.add_argument("--serve", type=int, metavar="PORT", help="serve web/dist/ on 127.0.0.1:PORT afterwards")
+    args = parser.parse_args(argv)
+    build(clean=args.clean)
+    if args.serve is not None:
+        serve(args.serve)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Helpers that drive the demo page the way a person would (forms, buttons, the file picker)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DIST = ROOT / "web" / "dist"
+ARTIFACTS = ROOT / "test-artifacts"
+BUNDLED = DIST / "models" / "needle3-tiny.cact"
+
+
+def banner(page) -> str:
+    """The error banner's text, or '' when it is hidden."""
+    return "" if page.is_hidden("#banner") else page.text_content("#banner-text").strip()
+
+
+def request(page, kind: str, payload: dict | None = None) -> dict:
+    """A raw worker request (the channel the page itself uses): {ok, result | error}."""
+    return page.evaluate("([kind, payload]) => window.needle.request(kind, payload)", [kind, payload or {}])
+
+
+def fill_form(page, *, mode: str = "prompt", **fields) -> None:
+    page.click(f"#tab-{mode}")
+    ids = {"prompt": "#prompt-input", "tools": "#tools-input", "query": "#query-input",
+           "temperature": "#temperature", "top_k": "#top-k", "top_p": "#top-p", "max_tokens": "#max-tokens",
+           "seed": "#seed"}
+    defaults = {"temperature": "0", "top_k": "0", "top_p": "1", "max_tokens": "4", "seed": "0"}
+    for name, value in {**defaults, **fields}.items():
+        page.fill(ids[name], str(value))
+
+
+def generate(page, **fields) -> dict:
+    """Fill the form, click Generate and wait for the reply the page received."""
+    fill_form(page, **fields)
+    page.evaluate("() => { window.needle.lastResult = null; }")
+    page.click("#generate-button")
+    page.wait_for_function("() => window.needle.lastResult !== null")
+    return page.evaluate("() => window.needle.lastResult")
+
+
+def load_file(page, files) -> dict:
+    """Load a model through the file picker (a path or Playwright's {name, mimeType, buffer})."""
+    page.evaluate("() => { window.needle.lastLoad = null; }")
+    page.check('input[name="source"][value="file"]')
+    page.set_input_files("#file-input", files)
+    page.wait_for_function("() => window.needle.lastLoad !== null")
+    return page.evaluate("() => window.needle.lastLoad")
+
+
+def load_bundled(page) -> dict:
+    page.evaluate("() => { window.needle.lastLoad = null; }")
+    page.check('input[name="source"][value="default"]')
+    page.click("#load-button")
+    page.wait_for_function("() => window.needle.lastLoad !== null")
+    return page.evaluate("() => window.needle.lastLoad")
+
+
+def ensure_bundled(page) -> None:
+    model = page.evaluate("() => window.needle.model")
+    if model is None or model["name"] != BUNDLED.name or model["bytes"] != BUNDLED.stat().st_size:
+        reply = load_bundled(page)
+        assert reply["ok"], reply

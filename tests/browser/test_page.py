@@ -1,0 +1,154 @@
+"""The demo page as a visitor uses it: boot, stream, tool calls, bad inputs, stop, cache.
+
+The bundled model is synthetic (random weights), so the tests check the machinery (streaming,
+parsing, errors, recovery), never the words. Prompts and token budgets are small: SwiftShader
+runs the tiny model at about one token per second on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .pages import ARTIFACTS, BUNDLED, banner, ensure_bundled, generate, load_file, request
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+SMALL_TOOLS = '[{"name":"lights_off","parameters":{}}]'
+
+
+def test_boot_reports_device_and_model(app):
+    model = app.evaluate("() => window.needle.model")
+    assert model["device"]["adapter"]  # SwiftShader here, a real GPU elsewhere
+    assert model["layers"] == 4 and model["vocab"] == 512 and model["tokenizer"]
+    assert model["pipelines"] > 5
+    assert app.get_attribute("#engine-status", "data-state") == "ready"
+    assert app.evaluate("() => window.needle.bootSeconds") > 0
+    assert banner(app) == ""
+
+
+def test_tool_form_streams_and_shows_parsed_calls(app):
+    ensure_bundled(app)
+    reply = generate(app, mode="tools", tools=SMALL_TOOLS, query="Lights off", max_tokens=3)
+    assert reply["ok"], reply
+    result = reply["result"]
+    assert result["tokens"] == 3 and len(result["ids"]) == 3 and result["finishReason"] == "length"
+    assert app.evaluate("() => window.needle.streamedTokens") == 3  # one event per token, before the reply
+    assert result["timeToFirstTokenSeconds"] > 0 and result["decodeTokensPerSecond"] > 0
+    assert app.text_content("#output") == result["text"]
+    assert "tokens/s" in app.text_content("#stats") and "first token" in app.text_content("#stats")
+    # Random weights make no tool call: the parser says so instead of failing.
+    assert result["completion"]["toolCalls"] is None and "no <tool_call> block" in result["completion"]["problems"]
+    assert app.is_visible("#calls-block")
+    ARTIFACTS.mkdir(exist_ok=True)
+    app.screenshot(path=str(ARTIFACTS / "browser-desktop.png"), full_page=True)
+    app.set_viewport_size({"width": 390, "height": 844})
+    try:
+        # Phone width: one column, nothing wider than the screen.
+        assert app.evaluate("() => document.documentElement.scrollWidth") <= 390
+        app.screenshot(path=str(ARTIFACTS / "browser-phone.png"), full_page=True)
+    finally:
+        app.set_viewport_size({"width": 1280, "height": 900})
+
+
+def test_output_is_text_not_html(app):
+    """Whatever the model emits lands in textContent: no element is ever created from it."""
+    ensure_bundled(app)
+    reply = generate(app, prompt="<img src=x onerror=alert(1)>", max_tokens=2)
+    assert reply["ok"], reply
+    assert app.evaluate("() => document.querySelector('#output').children.length") == 0
+
+
+def test_invalid_tools_json_then_next_request_works(app):
+    ensure_bundled(app)
+    reply = generate(app, mode="tools", tools='[{"name": "x",', query="hi", max_tokens=1)
+    assert not reply["ok"] and reply["error"]["kind"] == "InputError"
+    assert "tools: invalid JSON" in banner(app)
+    reply = generate(app, prompt="Hi", max_tokens=1)
+    assert reply["ok"], reply
+    assert banner(app) == ""
+
+
+def test_absurd_numbers_saturate(app):
+    """max tokens 1e12 clamps to the context; NaN and garbage fall back to the documented values.
+
+    The budget would run to the end of the context, so the Stop button ends it after two tokens.
+    """
+    ensure_bundled(app)
+    from .pages import fill_form
+
+    fill_form(app, prompt="Hi", max_tokens="1e12", temperature="NaN", top_k="-5", top_p="abc", seed="-1")
+    app.evaluate("() => { window.needle.lastResult = null; }")
+    app.click("#generate-button")
+    app.wait_for_function("() => window.needle.streamedTokens >= 2")
+    app.click("#stop-button")
+    app.wait_for_function("() => window.needle.lastResult !== null")
+    reply = app.evaluate("() => window.needle.lastResult")
+    assert reply["ok"], reply
+    result = reply["result"]
+    assert result["finishReason"] == "stopped" and 2 <= result["tokens"] < 20
+    assert result["settings"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0xFFFFFFFF, "max_tokens": 256}
+    assert app.get_attribute("#engine-status", "data-state") == "ready"
+
+
+def test_empty_prompt_is_an_error(app):
+    ensure_bundled(app)
+    reply = generate(app, prompt="   ", max_tokens=1)
+    assert not reply["ok"] and "prompt is empty" in banner(app)
+
+
+def test_corrupt_files_keep_the_loaded_model(app):
+    ensure_bundled(app)
+    data = BUNDLED.read_bytes()
+    for name, payload in (("garbage.cact", b"not a model at all" * 10), ("truncated.cact", data[:5000]),
+                          ("empty.cact", b"")):
+        reply = load_file(app, {"name": name, "mimeType": "application/octet-stream", "buffer": payload})
+        assert not reply["ok"], name
+        assert reply["error"]["kind"] in ("ContainerError", "InputError"), reply
+        assert banner(app), name
+    reply = generate(app, prompt="Hi", max_tokens=1)  # the bundled model is still there
+    assert reply["ok"], reply
+
+
+def test_bad_urls_are_errors(app, site):
+    ensure_bundled(app)
+    for url, expected in (("not a url at all ::", "download failed"), ("ftp://example.com/x.cact", "only http"),
+                          (f"{site}models/missing.cact", "HTTP 404")):
+        reply = request(app, "load", {"source": "url", "url": url})
+        assert not reply["ok"], url
+        assert expected in reply["error"]["message"], reply
+
+
+def test_url_download_is_cached_and_clearable(app, site):
+    assert request(app, "cache_clear")["ok"]
+    url = f"{site}models/{BUNDLED.name}?copy=1"
+    first = request(app, "load", {"source": "url", "url": url})
+    assert first["ok"], first
+    assert first["result"]["cachedNow"] and not first["result"]["fromCache"]
+    entries = request(app, "cache_list")["result"]["entries"]
+    assert [e["url"] for e in entries] == [url] and entries[0]["bytes"] == BUNDLED.stat().st_size
+    again = request(app, "load", {"source": "url", "url": url})
+    assert again["ok"] and again["result"]["fromCache"]
+    assert request(app, "cache_clear")["result"]["cleared"]
+    assert request(app, "cache_list")["result"]["entries"] == []
+
+
+def test_missing_webgpu_is_explained(browser, site):
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.add_init_script("Object.defineProperty(Navigator.prototype, 'gpu', {get: () => undefined});")
+        page.goto(site)
+        page.wait_for_selector("#banner:not([hidden])")
+        assert "no WebGPU" in page.text_content("#banner-text")
+        assert page.get_attribute("#engine-status", "data-state") == "error"
+        assert page.is_disabled("#generate-button")
+    finally:
+        context.close()
+
+
+def test_unknown_request_type_is_refused(app):
+    reply = request(app, "format_disk")
+    assert not reply["ok"] and "unknown request type" in reply["error"]["message"]
+    assert json.loads(json.dumps(request(app, "info")))["ok"]

@@ -1,0 +1,124 @@
+"""Cross-backend parity: the same container and prompts on Chromium's WebGPU (Pyodide), on
+wgpu-py (the desktop back end) and in the NumPy reference.
+
+The gate is the one the desktop model tests use: max|d| / RMS <= 1e-4 and no argmax mismatch.
+The same WGSL runs on both GPUs; neither contracts multiply-adds, so the back ends agree to a
+few ulps (about 2e-6 of RMS measured), far inside the gate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from needle_wgpu.engine import Needle3
+from needle_wgpu.formats import cact
+from needle_wgpu.reference import cq as ref_cq
+from needle_wgpu.reference.model import ReferenceModel
+
+from .pages import BUNDLED, banner, ensure_bundled, generate, load_file, request
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+GATE = 1e-4
+PROMPTS = {
+    "one": [2],
+    "seven": [2, 242, 262, 386, 486, 17, 73],
+    # Crosses the 64-position prefill chunk, so the second chunk reads a cache the first wrote.
+    "chunked": [2] + [int(v) for v in np.random.default_rng(66).integers(4, 512, size=67)],
+}
+
+
+def rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.sqrt((want ** 2).mean()))
+
+
+def argmax_mismatches(got, want) -> int:
+    return int((np.asarray(got).argmax(-1) != np.asarray(want).argmax(-1)).sum())
+
+
+def browser_logits(page, ids) -> np.ndarray:
+    reply = request(page, "logits", {"ids": ids})
+    assert reply["ok"], reply
+    return np.array(reply["result"]["rows"], np.float64)
+
+
+@pytest.fixture(scope="module")
+def desktop():
+    from needle_wgpu.errors import DeviceError
+    from needle_wgpu.gpu import open_device
+
+    try:
+        device = open_device("native")
+    except DeviceError as exc:
+        pytest.fail(f"no desktop WebGPU adapter for the parity suite: {exc} (install mesa-vulkan-drivers)")
+    return Needle3.load(BUNDLED, device=device)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceModel.from_path(BUNDLED)
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_logits_match_desktop_and_reference(app, desktop, reference, name):
+    ensure_bundled(app)
+    ids = PROMPTS[name]
+    got = browser_logits(app, ids)
+    native = np.array(desktop.logits(ids))
+    want = reference.forward_sequence(ids)
+    assert got.shape == native.shape == want.shape == (len(ids), reference.head_rows)
+    assert rel(got, native) <= GATE and argmax_mismatches(got, native) == 0
+    assert rel(got, want) <= GATE and argmax_mismatches(got, want) == 0
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 0}, {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}],
+                         ids=["greedy", "sampled"])
+def test_generated_ids_match_desktop(app, desktop, settings):
+    """Prefill, decode steps and the GPU sampler give the same ids on both back ends."""
+    ensure_bundled(app)
+    reply = generate(app, prompt="Hi there", max_tokens=6, **settings)
+    assert reply["ok"], reply
+    native = desktop.generate(prompt="Hi there", max_tokens=6, **settings)
+    assert reply["result"]["ids"] == native.ids
+    assert reply["result"]["text"] == native.text
+
+
+def test_cq_kernel_matches_reference(app):
+    """cq_prepare + cq_matmul alone (§5.5) on one tensor of the bundled file."""
+    container = cact.load(BUNDLED)
+    tensor = container["layers.0.q_proj"]
+    x = np.random.default_rng(5).normal(size=(3, tensor.cols)).astype(np.float32)
+    reply = request(app, "cq_matmul", {"tensor": tensor.name, "x": x.ravel().tolist(), "positions": 3})
+    assert reply["ok"], reply
+    got = np.array(reply["result"]["y"], np.float32).reshape(3, tensor.rows)
+    want = ref_cq.matmul(ref_cq.CQMatrix.from_tensor(tensor, container.levels(tensor.bits)), x)
+    assert rel(got, want) <= 1e-5  # the desktop CQ gate (tests/gpu/test_cq.py)
+
+
+def test_fixture_model_through_the_file_picker(app, fixture_dir):
+    """The independent implementation's goldens, with the container loaded as a user would."""
+    reply = load_file(app, str(fixture_dir / "tiny.cact"))
+    assert reply["ok"], reply
+    try:
+        ids = PROMPTS["seven"]
+        want = np.fromfile(fixture_dir / "tiny.len7.forward.f32.bin", "<f4").reshape(len(ids), -1)
+        got = browser_logits(app, ids)
+        assert rel(got, want) <= GATE and argmax_mismatches(got, want) == 0
+    finally:
+        ensure_bundled(app)
+
+
+def test_device_loss_is_reported_then_recovered(app):
+    ensure_bundled(app)
+    assert request(app, "lose_device")["ok"]
+    lost = generate(app, prompt="Hi", max_tokens=1)
+    assert not lost["ok"] and lost["error"]["kind"] == "DeviceLostError"
+    assert "GPU device was lost" in banner(app)
+    recovered = generate(app, prompt="Hi", max_tokens=2)  # a new device, the model uploaded again
+    assert recovered["ok"], recovered
+    assert banner(app) == ""
+    got = browser_logits(app, PROMPTS["seven"])
+    want = ReferenceModel.from_path(BUNDLED).forward_sequence(PROMPTS["seven"])
+    assert rel(got, want) <= GATE

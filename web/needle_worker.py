@@ -1,0 +1,305 @@
+"""The Python side of the demo's worker (web/worker.js): model loading, generation, test hooks.
+
+Every entry point is a plain function that worker.js calls with ``callPromising`` (so the GPU
+readbacks inside can wait through JSPI) and returns a JSON string
+``{"ok": true, "result": ...}`` or ``{"ok": false, "error": {"kind", "message"}}``. Nothing
+raises out of here: a ``NeedleError`` becomes its message, anything else a generic message with
+the traceback in the browser console, and the worker serves the next request either way.
+Events (progress, tokens) go to the page through ``needleEmit`` as they happen.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+import traceback
+
+import js
+from pyodide.ffi import run_sync
+
+from needle_wgpu.engine import GenerationResult, Needle3
+from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
+from needle_wgpu.formats import cact
+from needle_wgpu.gpu.browser import create_browser_device
+from needle_wgpu.prompt import parse_completion
+from needle_wgpu.sampling import Sampling, clamp_budget
+
+MAX_PROMPT_CHARS = 200_000  # far beyond any context; keeps a pasted novel from stalling the tokenizer
+
+
+class State:
+    device = None       # BrowserDevice
+    model = None        # Needle3
+    model_bytes = None  # kept to reload after a device loss
+    model_name = ""
+    summary = None
+
+
+def emit(**event) -> None:
+    sink = getattr(js, "needleEmit", None)
+    if sink is not None:
+        sink(json.dumps(event, allow_nan=False, default=str))
+
+
+def progress(stage: str, text: str, done=None, total=None) -> None:
+    emit(type="progress", stage=stage, text=text, done=done, total=total)
+
+
+def finite(value, digits: int = 4):
+    return round(value, digits) if isinstance(value, float) and math.isfinite(value) else None
+
+
+def entry(fn):
+    """Wrap an entry point: JSON in the worker's reply format, and no exception escapes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        try:
+            return json.dumps({"ok": True, "result": fn(*args)}, allow_nan=False)
+        except NeedleError as exc:
+            if isinstance(exc, DeviceLostError) or (State.device is not None and State.device.lost_reason):
+                message = (f"The GPU device was lost ({getattr(State.device, 'lost_reason', None) or exc}). "
+                           "The model will be uploaded again on the next request.")
+                return json.dumps({"ok": False, "error": {"kind": "DeviceLostError", "message": message}})
+            return json.dumps({"ok": False, "error": {"kind": type(exc).__name__, "message": str(exc)}})
+        except Exception as exc:
+            traceback.print_exc()
+            message = f"Something went wrong inside the engine ({type(exc).__name__}); details are in the browser console."
+            return json.dumps({"ok": False, "error": {"kind": "InternalError", "message": message}})
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------- device and model
+def _open_device():
+    if State.device is not None:
+        State.device.destroy()
+        State.device = None
+    device = run_sync(create_browser_device())
+    device.on_pipeline = lambda count, label: progress("compile", f"Compiling GPU pipelines ({label})", count, None)
+    State.device = device
+    return device
+
+
+def _device_summary(device) -> dict:
+    lim = device.limits
+    return {"adapter": device.adapter_name, "maxStorageBinding": lim.max_storage_binding,
+            "maxBuffer": lim.max_buffer, "workgroupStorage": lim.max_workgroup_storage,
+            "storageBuffers": lim.max_storage_buffers}
+
+
+@entry
+def open_device() -> dict:
+    return _device_summary(_open_device())
+
+
+def _upload(data: bytes, name: str) -> dict:
+    """Validate, then upload. The old model's buffers are freed first; a healthy device (with its
+    compiled pipelines) is kept, a lost one replaced."""
+    started = time.perf_counter()
+    container = cact.load(data)  # raises ContainerError before the loaded model is touched
+    parsed = time.perf_counter()
+    device = State.device
+    if device is None or device.lost_reason:
+        State.model = None
+        device = _open_device()
+    else:
+        State.model = None
+        device.release_dropped()  # the old model's memory, now rather than at JS garbage collection
+    layers = container.geometry.num_layers
+    model = Needle3.load(data, device=device,
+                         progress=lambda stage, done, total: progress("upload", f"Uploading weights (layer {done} of {layers})", done, total))
+    device.check("uploading the weights")
+    uploaded = time.perf_counter()
+    progress("compile", "Compiling GPU pipelines", 0, None)
+    session = model.gpu.session()
+    try:
+        bos = model.tokenizer.bos_id if model.tokenizer is not None else 1
+        session.prefill([bos], Sampling())  # builds the plans, so every pipeline is compiled now
+    finally:
+        session.close()
+    compiled = time.perf_counter()
+    g = model.geometry
+    State.model, State.model_bytes, State.model_name = model, data, name
+    State.summary = {
+        "name": name, "bytes": len(data), "layers": g.num_layers, "dModel": g.d_model, "vocab": g.vocab,
+        "context": g.max_seq_len, "tokenizer": model.tokenizer is not None,
+        "parseSeconds": round(parsed - started, 3), "uploadSeconds": round(uploaded - parsed, 3),
+        "compileSeconds": round(compiled - uploaded, 3), "pipelines": device.pipeline_count,
+        "device": _device_summary(device),
+    }
+    return State.summary
+
+
+@entry
+def load_model(js_bytes, name) -> dict:
+    data = js_bytes.to_bytes()  # the one copy from JS memory into Python's; uploads then go without copies
+    if not data:
+        raise InputError(f"{name}: the file is empty")
+    return _upload(data, str(name))
+
+
+def _ready_model() -> Needle3:
+    if State.model is None and State.model_bytes is None:
+        raise NeedleError("no model is loaded yet: load the bundled model, a file or a URL first")
+    if State.model is None or State.device is None or State.device.lost_reason:
+        progress("upload", "Recovering: opening a new GPU device and uploading the model again")
+        _upload(State.model_bytes, State.model_name)
+    return State.model
+
+
+# ---------------------------------------------------------------------------- generation
+def _request(request_json: str) -> dict:
+    try:
+        request = json.loads(request_json)
+    except ValueError:
+        raise InputError("the request is not valid JSON") from None
+    if not isinstance(request, dict):
+        raise InputError("the request must be a JSON object")
+    return request
+
+
+def _text(request: dict, key: str) -> str:
+    value = request.get(key)
+    value = "" if value is None else str(value)
+    if len(value) > MAX_PROMPT_CHARS:
+        raise InputError(f"{key}: {len(value):,} characters is too long (at most {MAX_PROMPT_CHARS:,})")
+    return value
+
+
+@entry
+def generate(request_json: str) -> dict:
+    request = _request(request_json)
+    model = _ready_model()
+    mode = request.get("mode", "prompt")
+    if mode not in ("tools", "prompt"):
+        raise InputError(f"unknown mode {mode!r} (expected 'tools' or 'prompt')")
+    if mode == "tools":
+        inputs = {"query": _text(request, "query"), "tools": _text(request, "tools") or "[]",
+                  "system": _text(request, "system") or None}
+    else:
+        prompt = _text(request, "prompt")
+        if not prompt.strip():
+            raise InputError("the prompt is empty")
+        inputs = {"prompt": prompt}
+    knobs = {k: request.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
+    sampling = Sampling.saturate(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
+                                 vocab=model.geometry.head_rows)
+    effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], model.geometry.max_seq_len)}
+
+    result = GenerationResult("", [], "empty", 0)
+    pieces, ids = [], []
+    started = time.perf_counter()
+    first = last = None
+    stopped = False
+    stream = model.stream(**inputs, result=result, **knobs)
+    try:
+        for event in stream:
+            last = time.perf_counter()
+            first = first or last
+            pieces.append(event.text)
+            ids.append(event.id)
+            emit(type="token", id=event.id, text=event.text, count=len(pieces))
+            if getattr(js, "needleStopRequested", False):
+                stopped = True
+                break
+    finally:
+        stream.close()
+    text = result.text if not stopped and result.text else "".join(pieces)
+    decode_seconds = (last - first) if first is not None else 0.0
+    out = {
+        "text": text, "tokens": len(pieces), "ids": ids, "promptTokens": result.prompt_tokens,
+        "finishReason": "stopped" if stopped else result.finish_reason,
+        "timeToFirstTokenSeconds": finite(first - started) if first is not None else None,
+        "decodeTokensPerSecond": finite((len(pieces) - 1) / decode_seconds) if len(pieces) > 1 and decode_seconds > 0 else None,
+        "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 1),
+        "clampedIds": result.clamped_ids, "settings": effective, "mode": mode,
+    }
+    if mode == "tools":
+        completion = parse_completion(text)
+        out["completion"] = {"toolCalls": completion.tool_calls, "thinking": completion.thinking,
+                             "problems": completion.problems, "abstained": completion.abstained}
+    return out
+
+
+# ---------------------------------------------------------------------------- test hooks
+@entry
+def logits(ids_json: str) -> dict:
+    """All-position logits of ``ids`` (the cross-backend parity tests read these)."""
+    ids = json.loads(ids_json)
+    if not isinstance(ids, list):
+        raise InputError("ids must be a JSON array of token ids")
+    rows = _ready_model().logits(ids)
+    return {"rows": [[v if math.isfinite(v) else None for v in row] for row in rows]}
+
+
+@entry
+def cq_matmul(js_bytes, tensor_name, js_x, positions) -> dict:
+    """One CQ tensor of a container times ``x`` (positions x cols) through cq_prepare + cq_matmul."""
+    import struct
+
+    from needle_wgpu.gpu import Plan, UniformArena
+    from needle_wgpu.kernels import cq
+
+    device = State.device or _open_device()
+    container = cact.load(js_bytes.to_bytes())
+    tensor = container[str(tensor_name)]
+    T, cols = int(positions), tensor.cols
+    x = js_x.to_bytes()
+    if len(x) != 4 * T * cols:
+        raise InputError(f"x has {len(x)} bytes, expected {4 * T * cols}")
+    levels = device.buffer(256, label="levels", data=cq.levels_bytes(container))
+    pack = cq.upload_pack(device, "test", [tensor])
+    xb = device.buffer(len(x), label="x", data=x)
+    xh = device.buffer(4 * T * pack.in_pad, label="xh")
+    y = device.buffer(4 * T * pack.rows, label="y")
+    arena, plan = UniformArena(device), Plan(device, "cq test")
+    cq.prepare(plan, arena, xb, xh, width=cols, group=pack.group, positions=T, x_stride=cols)
+    cq.matmul(plan, arena, pack, levels, xh, y, positions=T, x_stride=pack.in_pad, y_stride=pack.rows)
+    device.run(plan)
+    values = struct.unpack(f"<{T * pack.rows}f", device.read(y, 4 * T * pack.rows))
+    return {"rows": pack.rows, "y": list(values)}
+
+
+@entry
+def lose_device() -> dict:
+    """Destroy the GPU device, as a driver reset would (tests the recovery path)."""
+    if State.device is not None:
+        State.device.destroy()
+    return {"lost": True}
+
+
+@entry
+def info() -> dict:
+    device = State.device
+    return {"device": _device_summary(device) if device is not None else None, "model": State.summary,
+            "counters": vars(device.counters) if device is not None else None}
+
+
+@entry
+def profile(positions) -> dict:
+    """Seconds per dispatch label for one chunk of ``positions`` tokens, each dispatch timed alone.
+
+    Every dispatch is its own submit followed by a 4-byte readback, so the sum is larger than a
+    real step; the shares show which kernels dominate on this GPU.
+    """
+    model = _ready_model()
+    T = max(1, min(int(positions), 64))
+    session = model.gpu.session()
+    try:
+        plan = session._plan(T, None)
+        device = model.device if hasattr(model, "device") else State.device
+        totals = {}
+        for dispatch in plan.dispatches:
+            started = time.perf_counter()
+            device._submit([dispatch], [])
+            device.read(session.result, 4)
+            label = dispatch.label
+            totals[label] = totals.get(label, 0.0) + time.perf_counter() - started
+    finally:
+        session.close()
+    return {"positions": T, "dispatches": len(plan.dispatches),
+            "seconds": {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}

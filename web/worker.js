@@ -1,0 +1,242 @@
+// The engine's thread: Pyodide, the needle_wgpu wheel and WebGPU, all inside this module worker.
+//
+// Protocol (see app.js): the page posts {id, type, ...}; the worker answers each with
+// {id, type: "reply", ok, result | error}, and meanwhile posts events without an id:
+// {type: "progress", stage, text, done, total}, {type: "token", ...}, {type: "log", text}.
+// Requests run one at a time, in order; "stop" is handled at once (it sets a flag that Python
+// reads between tokens, which it can do because every token waits on the GPU through JSPI).
+// Every Python entry point returns a JSON string and never raises (needle_worker.py); anything
+// that still escapes is caught here and reported, so the worker keeps serving requests.
+
+import { loadPyodide } from "./pyodide/pyodide.mjs";
+
+const BUILD = "__BUILD_ID__";
+const CACHE_NAME = "needle-wgpu-models-v1";
+
+let pyodide = null;
+let glue = null;        // the needle_worker Python module
+let bootError = null;
+const queue = [];
+let running = false;
+
+globalThis.needleStopRequested = false;
+
+function post(message, transfer) {
+  self.postMessage(message, transfer || []);
+}
+
+function progress(stage, text, done = null, total = null) {
+  post({ type: "progress", stage, text, done, total });
+}
+
+// Called from Python with a JSON string (tokens, progress, notes).
+globalThis.needleEmit = (json) => post(JSON.parse(json));
+
+async function boot() {
+  const started = performance.now();
+  progress("boot", "Loading the build manifest");
+  const manifest = await (await fetch(new URL(`build.json?b=${BUILD}`, import.meta.url), { cache: "no-store" })).json();
+  progress("boot", `Starting Python (Pyodide ${manifest.pyodide})`);
+  pyodide = await loadPyodide({
+    indexURL: new URL("./pyodide/", import.meta.url).href,
+    stdout: (line) => console.log(`[python] ${line}`),
+    stderr: (line) => console.warn(`[python] ${line}`),
+  });
+  progress("boot", "Installing needle_wgpu");
+  const wheelURL = new URL(manifest.wheel, import.meta.url).href;
+  const problems = [];
+  await pyodide.loadPackage(wheelURL, { errorCallback: (m) => problems.push(m), messageCallback: () => {} });
+  if (!Object.keys(pyodide.loadedPackages).some((name) => name.replace(/[-_]/g, "") === "needlewgpu")) {
+    throw new Error(`could not install ${manifest.wheel}: ${problems.join("; ") || "unknown error"}`);
+  }
+  const glueSource = await (await fetch(new URL(`${manifest.glue}?b=${BUILD}`, import.meta.url))).text();
+  pyodide.FS.writeFile("/home/pyodide/needle_worker.py", glueSource);
+  glue = pyodide.pyimport("needle_worker");
+  progress("boot", "Opening the GPU");
+  const device = JSON.parse(await glue.open_device.callPromising());
+  const seconds = (performance.now() - started) / 1000;
+  return { bootSeconds: seconds, manifest, device };
+}
+
+// ---------------------------------------------------------------------------- model bytes
+async function fetchWithProgress(url, label) {
+  const response = await fetch(url);
+  if (!response.ok) throw new UserError(`download failed: HTTP ${response.status} ${response.statusText} for ${url}`);
+  const total = Number(response.headers.get("content-length")) || null;
+  if (!response.body) return new Uint8Array(await response.arrayBuffer());
+  const reader = response.body.getReader();
+  const parts = [];
+  let received = 0;
+  let last = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    parts.push(value);
+    received += value.byteLength;
+    if (performance.now() - last > 100) {
+      last = performance.now();
+      progress("download", `Downloading ${label}`, received, total);
+    }
+  }
+  progress("download", `Downloaded ${label}`, received, total || received);
+  const bytes = new Uint8Array(received);
+  let at = 0;
+  for (const part of parts) { bytes.set(part, at); at += part.byteLength; }
+  return bytes;
+}
+
+async function cacheOpen() {
+  return typeof caches === "undefined" ? null : caches.open(CACHE_NAME);
+}
+
+async function modelBytes(msg) {
+  if (msg.source === "file") {
+    if (!msg.file) throw new UserError("no file was given");
+    progress("download", `Reading ${msg.file.name}`, 0, msg.file.size);
+    const bytes = new Uint8Array(await msg.file.arrayBuffer());
+    return { bytes, name: msg.file.name, cacheKey: null, cached: false };
+  }
+  if (msg.source === "url") {
+    let url;
+    try {
+      url = new URL(String(msg.url || "").trim(), self.location.href);
+    } catch {
+      throw new UserError(`not a valid URL: ${String(msg.url).slice(0, 200)}`);
+    }
+    if (!/^https?:$/.test(url.protocol)) throw new UserError(`only http(s) URLs can be loaded, not ${url.protocol}`);
+    const name = decodeURIComponent(url.pathname.split("/").pop() || url.host);
+    const cache = await cacheOpen();
+    const hit = cache ? await cache.match(url.href) : null;
+    if (hit) {
+      progress("download", `Reading ${name} from the browser cache`);
+      return { bytes: new Uint8Array(await hit.arrayBuffer()), name, cacheKey: null, cached: true };
+    }
+    let bytes;
+    try {
+      bytes = await fetchWithProgress(url.href, name);
+    } catch (error) {
+      if (error instanceof UserError) throw error;
+      throw new UserError(`download failed (${error.message}); the server must allow cross-origin requests (CORS)`);
+    }
+    return { bytes, name, cacheKey: url.href, cached: false };
+  }
+  const url = new URL(msg.file || "models/needle3-tiny.cact", import.meta.url);
+  const bytes = await fetchWithProgress(url.href, "the bundled model");
+  return { bytes, name: url.pathname.split("/").pop(), cacheKey: null, cached: false };
+}
+
+class UserError extends Error {}
+
+// ---------------------------------------------------------------------------- requests
+async function callPython(name, ...args) {
+  return JSON.parse(await glue[name].callPromising(...args));
+}
+
+const handlers = {
+  async load(msg) {
+    const model = await modelBytes(msg);
+    const result = await callPython("load_model", model.bytes, model.name);
+    if (result.ok && model.cacheKey) {
+      const cache = await cacheOpen();
+      if (cache) {
+        await cache.put(model.cacheKey, new Response(model.bytes, {
+          headers: { "content-type": "application/octet-stream", "content-length": String(model.bytes.byteLength) },
+        }));
+        result.result.cachedNow = true;
+      }
+    }
+    if (result.ok) result.result.fromCache = model.cached;
+    return result;
+  },
+  async generate(msg) {
+    globalThis.needleStopRequested = false;
+    return callPython("generate", JSON.stringify(msg.request || {}));
+  },
+  async logits(msg) {
+    const result = await callPython("logits", JSON.stringify(msg.ids || []));
+    return result;
+  },
+  async cq_matmul(msg) {
+    const model = await modelBytes({ source: "default" });
+    return callPython("cq_matmul", model.bytes, msg.tensor, Float32Array.from(msg.x), msg.positions);
+  },
+  async profile(msg) {
+    return callPython("profile", msg.positions || 1);
+  },
+  async lose_device() {
+    return callPython("lose_device");
+  },
+  async info() {
+    return callPython("info");
+  },
+  async cache_list() {
+    const cache = await cacheOpen();
+    if (!cache) return { ok: true, result: { available: false, entries: [] } };
+    const entries = [];
+    for (const request of await cache.keys()) {
+      const response = await cache.match(request);
+      entries.push({ url: request.url, bytes: Number(response.headers.get("content-length")) || null });
+    }
+    return { ok: true, result: { available: true, entries } };
+  },
+  async cache_clear() {
+    const available = typeof caches !== "undefined";
+    if (available) await caches.delete(CACHE_NAME);
+    return { ok: true, result: { available, cleared: available } };
+  },
+};
+
+async function handle(msg) {
+  if (msg.type === "boot") {
+    try {
+      return { ok: true, result: await booting };
+    } catch {
+      return { ok: false, error: { kind: "BootError", message: bootError } };
+    }
+  }
+  if (!glue) {
+    await booting.catch(() => {});
+    if (!glue) return { ok: false, error: { kind: "BootError", message: bootError || "the engine failed to start" } };
+  }
+  const handler = handlers[msg.type];
+  if (!handler) return { ok: false, error: { kind: "InputError", message: `unknown request type ${msg.type}` } };
+  return handler(msg);
+}
+
+async function drain() {
+  if (running) return;
+  running = true;
+  while (queue.length) {
+    const msg = queue.shift();
+    let reply;
+    try {
+      reply = await handle(msg);
+    } catch (error) {
+      if (error instanceof UserError) {
+        reply = { ok: false, error: { kind: "InputError", message: error.message } };
+      } else {
+        console.error("needle worker:", error);
+        reply = { ok: false, error: { kind: "InternalError", message: `internal error in the worker (${error && error.name || "Error"}); details are in the browser console` } };
+      }
+    }
+    post({ id: msg.id, type: "reply", ...reply });
+  }
+  running = false;
+}
+
+self.onmessage = (event) => {
+  const msg = event.data || {};
+  if (msg.type === "stop") {
+    globalThis.needleStopRequested = true;
+    return;
+  }
+  queue.push(msg);
+  drain();
+};
+
+const booting = boot().catch((error) => {
+  bootError = `the engine failed to start: ${error && error.message ? error.message : error}`;
+  console.error("needle worker boot:", error);
+  throw new Error(bootError);
+});
+booting.catch(() => {});
