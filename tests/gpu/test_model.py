@@ -117,3 +117,40 @@ def test_forced_small_binding_limit(fixture_dir):
     got = np.array(model.logits(LEN7, context=64))
     assert rel(got, want) <= 1e-4
     assert argmax_mismatches(got, want) == 0
+
+
+@pytest.fixture(scope="module")
+def shipped(device, tmp_path_factory):
+    from needle_wgpu.synth import synthesize
+
+    path = tmp_path_factory.mktemp("shipped") / "shipped.cact"
+    path.write_bytes(synthesize("shipped", 1))
+    return Needle3.load(path, device=device), ReferenceModel.from_path(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [1, 7, 64])
+def test_shipped_geometry_matches_reference(shipped, length):
+    model, reference = shipped
+    ids = [2] + list(np.random.default_rng(100 + length).integers(4, 8192, size=length - 1))
+    got = np.array(model.logits(ids, context=128))
+    want = reference.forward_sequence(ids)
+    assert rel(got, want) <= 1e-4
+    assert argmax_mismatches(got, want) == 0
+
+
+@pytest.mark.slow
+def test_shipped_geometry_decode_and_int8(shipped):
+    model, reference = shipped
+    ids = [2, 17, 4000, 81, 8191, 300, 9]
+    session = model.gpu.session(context=32)
+    rows = session.all_logits(ids[:4]) + [session.all_logits([t])[0] for t in ids[4:]]
+    session.close()
+    want = reference.forward_sequence(ids)
+    assert rel(rows, want) <= 1e-4
+    assert argmax_mismatches(rows, want) == 0
+    cache = reference.new_cache("int8")
+    want8 = reference.prefill(ids, cache)
+    got8 = np.array(model.logits(ids, kv="int8", context=32))
+    assert rel(got8, want8) <= 2e-2
+    assert argmax_mismatches(got8, want8) == 0
