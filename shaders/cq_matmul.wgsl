@@ -43,14 +43,31 @@ struct Params {
 
 const LANES: u32 = 32u;
 const LEVEL_COUNT: u32 = 1u << CODE_BITS;
+const MASK: u32 = LEVEL_COUNT - 1u;
+// Codes per u32 word when fields never straddle words (2 and 4 bits); 3-bit takes its own path.
+const PER_WORD: u32 = 32u / CODE_BITS;
 
 var<workgroup> level_table: array<f32, 16>;
-var<workgroup> partial: array<f32, 256>;
+var<workgroup> partial: array<f32, 256 * TT>;
 
 fn norm_of(row: u32, group: u32) -> f32 {
   let index = row * params.groups + group;
   let pair = unpack2x16float(weights[params.norm_base + (index >> 1u)]);
   return select(pair.x, pair.y, (index & 1u) == 1u);
+}
+
+// The 3-bit code e (0..31) of a chunk held in three words (fields may straddle two words).
+fn code3(w0: u32, w1: u32, w2: u32, e: u32) -> u32 {
+  let bit = e * 3u;
+  let word = bit >> 5u;
+  let shift = bit & 31u;
+  let lo = select(select(w2, w1, word == 1u), w0, word == 0u);
+  let hi = select(w2, w1, word == 0u);
+  var field = lo >> shift;
+  if (shift > 29u) {
+    field |= hi << (32u - shift);
+  }
+  return field & 7u;
 }
 
 @compute @workgroup_size(256)
@@ -65,63 +82,72 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
   let row_in_range = local_row < params.rows;
   let row = params.row_start + local_row;
   let t0 = wg.y * TT;
+  let tile = min(TT, params.positions - t0);
   let chunks = params.groups * params.group_chunks;
 
-  var x_base = params.x_offset;
+  var x_base = params.x_offset + t0 * params.x_stride;
   if (params.x_block_rows > 0u) {
     x_base += (local_row / params.x_block_rows) * params.x_block_stride;
   }
 
+  // acc[t] += norm * sum(level * xh[t]) over this lane's 32-code chunks. Each chunk's codes are
+  // decoded once and applied to every position of the tile (the "decode once per chunk" GEMM).
   var acc: array<f32, TT>;
   if (row_in_range) {
     for (var chunk = lane; chunk < chunks; chunk += LANES) {
-      // Decode 32 codes once (CODE_BITS words, LSB-first bitstream, §5.2).
-      var words: array<u32, 4>;
       let word0 = row * params.row_words + chunk * CODE_BITS;
-      for (var i = 0u; i < CODE_BITS; i++) {
-        words[i] = weights[word0 + i];
-      }
-      var w: array<f32, 32>;
-      for (var e = 0u; e < 32u; e++) {
-        let bit = e * CODE_BITS;
-        let word = bit >> 5u;
-        let shift = bit & 31u;
-        var field = words[word] >> shift;
-        if (shift + CODE_BITS > 32u) {
-          field |= words[word + 1u] << (32u - shift);
+      let column = x_base + chunk * 32u;
+      var sums: array<f32, TT>;
+      if (CODE_BITS == 3u) {
+        let w0 = weights[word0];
+        let w1 = weights[word0 + 1u];
+        let w2 = weights[word0 + 2u];
+        for (var e = 0u; e < 32u; e++) {
+          let level = level_table[code3(w0, w1, w2, e)];
+          for (var t = 0u; t < TT; t++) {
+            if (t < tile) {
+              sums[t] += level * xh[column + t * params.x_stride + e];
+            }
+          }
         }
-        w[e] = level_table[field & (LEVEL_COUNT - 1u)];
+      } else {
+        for (var w = 0u; w < CODE_BITS; w++) {
+          let word = weights[word0 + w];
+          let first = column + w * PER_WORD;
+          for (var k = 0u; k < PER_WORD; k++) {
+            let level = level_table[(word >> (k * CODE_BITS)) & MASK];
+            for (var t = 0u; t < TT; t++) {
+              if (t < tile) {
+                sums[t] += level * xh[first + t * params.x_stride + k];
+              }
+            }
+          }
+        }
       }
       let norm = norm_of(row, chunk / params.group_chunks);
-      let column = chunk * 32u;
       for (var t = 0u; t < TT; t++) {
-        let position = t0 + t;
-        if (position < params.positions) {
-          let x0 = x_base + position * params.x_stride + column;
-          var s = 0.0;
-          for (var e = 0u; e < 32u; e++) {
-            s += w[e] * xh[x0 + e];
-          }
-          acc[t] += norm * s;
-        }
+        acc[t] += norm * sums[t];
       }
     }
   }
 
-  // Reduce the 32 lanes of each row, one position at a time.
+  // One barrier: every lane's partial sums go to workgroup memory, then one invocation per
+  // (row, position) adds its row's LANES partials in order.
   for (var t = 0u; t < TT; t++) {
-    partial[lid] = acc[t];
-    workgroupBarrier();
-    for (var step = LANES / 2u; step > 0u; step >>= 1u) {
-      if (lane < step) {
-        partial[lid] += partial[lid + step];
+    partial[t * 256u + lid] = acc[t];
+  }
+  workgroupBarrier();
+  if (lid < ROWS * TT) {
+    let r = lid / TT;
+    let t = lid % TT;
+    let out_row = wg.x * ROWS + r;
+    if (out_row < params.rows && t < tile) {
+      var total = 0.0;
+      for (var l = 0u; l < LANES; l++) {
+        total += partial[t * 256u + r * LANES + l];
       }
-      workgroupBarrier();
+      y[params.y_offset + (t0 + t) * params.y_stride + out_row] = total;
     }
-    let position = t0 + t;
-    if (row_in_range && lane == 0u && position < params.positions) {
-      y[params.y_offset + position * params.y_stride + local_row] = partial[lid];
-    }
-    workgroupBarrier();
   }
 }
+

@@ -184,6 +184,8 @@ class Device:
 
     limits: Limits
     adapter_name: str = "unknown"
+    # True on CPU adapters (lavapipe, SwiftShader): kernels with a barrier-free variant use it.
+    software_rasterizer: bool = False
     max_workgroups_per_dimension: int = 65535
 
     def __init__(self):

@@ -49,6 +49,7 @@ class NativeDevice(Device):
         except Exception as exc:
             raise _translate(exc, "request_device") from None
         info = adapter.info
+        self.software_rasterizer = str(info.get("adapter_type", "")).lower() == "cpu"
         self.adapter_name = f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')})"
         lim = self._device.limits
         binding = lim["max-storage-buffer-binding-size"]

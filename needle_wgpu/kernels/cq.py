@@ -150,9 +150,21 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
            tile: int | None = None) -> None:
     """y[t, row - row_start] = W[row] . xh[t] for the pack rows [row_start, row_start + rows)."""
     rows = pack.rows - row_start if rows is None else rows
-    tile = tile or (1 if positions == 1 else 8)
-    key = KernelKey("cq_matmul", consts=(("CODE_BITS", CODE_BITS[pack.bits]), ("LEVEL_BASE", LEVEL_BASE[pack.bits]),
-                                          ("TT", tile), ("ROWS", MATMUL_ROWS)))
+    code_bits = CODE_BITS[pack.bits]
+    # CPU adapters get the barrier-free row-per-invocation variant (cq_matmul_rows.wgsl).
+    rowwise = plan.device.software_rasterizer and code_bits != 3
+    if rowwise:
+        tile = 1 if positions == 1 else 4
+        if (x_stride | x_offset | x_block_stride) % 4:
+            raise ValueError("cq_matmul_rows reads xh as vec4: strides and offsets must be multiples of 4")
+        key = KernelKey("cq_matmul_rows", consts=(("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]),
+                                                   ("TT", tile)))
+        rows_per_group = 64
+    else:
+        tile = tile or (1 if positions == 1 else 8)
+        key = KernelKey("cq_matmul", consts=(("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]),
+                                              ("TT", tile), ("ROWS", MATMUL_ROWS)))
+        rows_per_group = MATMUL_ROWS
     end = row_start + rows
     for piece in pack.slices:
         lo, hi = max(row_start, piece.first), min(end, piece.first + piece.rows)
@@ -165,5 +177,5 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
         params = arena.add(hi - lo, lo - piece.first, pack.row_words, pack.groups, piece.rows * pack.row_words,
                            pack.group // 32, positions, x_stride, x_offset + block_shift,
                            x_block_rows, x_block_stride, y_stride, y_offset + done, 0, 0, 0)
-        groups = ((hi - lo + MATMUL_ROWS - 1) // MATMUL_ROWS, (positions + tile - 1) // tile)
+        groups = ((hi - lo + rows_per_group - 1) // rows_per_group, (positions + tile - 1) // tile)
         plan.add(key, [params, Binding(piece.buffer), levels, xh, y], groups, label=f"matmul {pack.name}")

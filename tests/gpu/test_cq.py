@@ -63,13 +63,23 @@ def reference(tensors, fake, x, row_start=0, rows=None):
     return y[:, row_start : row_start + rows]
 
 
+@pytest.fixture(params=["workgroup", "rowwise"])
+def variant(request, device):
+    """Run each test with both matmul variants: the GPU one and the CPU-adapter one."""
+    saved = device.software_rasterizer
+    device.software_rasterizer = request.param == "rowwise"
+    yield device
+    device.software_rasterizer = saved
+
+
 def rel(got, want):
     return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, cact.TERNARY])
 @pytest.mark.parametrize("T", [1, 3, 17])
-def test_matmul_all_widths(device, bits, T):
+def test_matmul_all_widths(variant, bits, T):
+    device = variant
     rng = np.random.default_rng(bits * 100 + T)
     w = random_cq(rng, rows=45, cols=200, bits=bits)  # odd rows, width padded to 256
     x = rng.normal(size=(T, 200)).astype(np.float32)
@@ -78,7 +88,8 @@ def test_matmul_all_widths(device, bits, T):
     assert rel(got, reference([w], fake, x)) <= GATE
 
 
-def test_pack_band_and_rows(device):
+def test_pack_band_and_rows(variant):
+    device = variant
     rng = np.random.default_rng(7)
     parts = [random_cq(rng, rows=r, cols=384, bits=4) for r in (4, 4, 16, 4, 4, 16)]
     x = rng.normal(size=(5, 384)).astype(np.float32)
@@ -86,7 +97,8 @@ def test_pack_band_and_rows(device):
     assert rel(got, reference(parts, fake, x, row_start=24, rows=24)) <= GATE
 
 
-def test_fixture_tensors(device, fixture_dir):
+def test_fixture_tensors(variant, fixture_dir):
+    device = variant
     f = cact.load(fixture_dir / "tiny.cact")
     rng = np.random.default_rng(3)
     x = rng.normal(size=(9, 256)).astype(np.float32)

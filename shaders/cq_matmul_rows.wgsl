@@ -1,0 +1,122 @@
+// CQ dequant-matmul, row-per-invocation variant for software rasterisers (spec §5.5).
+//
+// Same product and parameters as cq_matmul.wgsl, shaped for CPU back ends (lavapipe,
+// SwiftShader), which run a workgroup on one thread and vectorise across invocations: no
+// workgroup memory, no barriers, vec4 loads, and code -> level mapping with vector selects
+// instead of table gathers. Each invocation computes one row for TT (1 or 4) positions, decoding
+// every code word once for all of them. 2- and 4-bit codes (and ternary crumbs); 3-bit files
+// use cq_matmul.wgsl.
+//
+// Constants: CODE_BITS (2 or 4), LEVEL_BASE, TT (1 or 4).
+
+struct Params {
+  rows: u32,
+  row_start: u32,
+  row_words: u32,
+  groups: u32,
+  norm_base: u32,
+  group_chunks: u32,
+  positions: u32,
+  x_stride: u32,
+  x_offset: u32,
+  x_block_rows: u32,
+  x_block_stride: u32,
+  y_stride: u32,
+  y_offset: u32,
+  _pad0: u32,
+  _pad1: u32,
+  _pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> weights: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> levels: array<f32>;
+@group(0) @binding(3) var<storage, read> xh: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+
+const QUADS: u32 = 8u / CODE_BITS;  // groups of 4 codes per u32 word
+
+var<private> level_quads: array<vec4<f32>, 4>;
+
+fn word_at(index: u32) -> u32 {
+  let quad = weights[index >> 2u];
+  return quad[index & 3u];
+}
+
+fn norm_of(row: u32, group: u32) -> f32 {
+  let index = row * params.groups + group;
+  let pair = unpack2x16float(word_at(params.norm_base + (index >> 1u)));
+  return select(pair.x, pair.y, (index & 1u) == 1u);
+}
+
+fn pick4(q: vec4<f32>, c: vec4<u32>) -> vec4<f32> {
+  let low = select(vec4<f32>(q.x), vec4<f32>(q.y), c == vec4<u32>(1u));
+  let high = select(vec4<f32>(q.z), vec4<f32>(q.w), c == vec4<u32>(3u));
+  return select(low, high, c >= vec4<u32>(2u));
+}
+
+// Levels of the four codes of `word` starting at code index 4q.
+fn levels_of(word: u32, q: u32) -> vec4<f32> {
+  let shift = q * 4u * CODE_BITS;
+  let shifts = vec4<u32>(shift, shift + CODE_BITS, shift + 2u * CODE_BITS, shift + 3u * CODE_BITS);
+  let c = (vec4<u32>(word) >> shifts) & vec4<u32>((1u << CODE_BITS) - 1u);
+  if (CODE_BITS == 2u) {
+    return pick4(level_quads[0], c);
+  }
+  let low = c & vec4<u32>(3u);
+  let high = c >> vec4<u32>(2u);
+  let l0 = pick4(level_quads[0], low);
+  let l1 = pick4(level_quads[1], low);
+  let l2 = pick4(level_quads[2], low);
+  let l3 = pick4(level_quads[3], low);
+  return select(select(l0, l1, high == vec4<u32>(1u)), select(l2, l3, high == vec4<u32>(3u)), high >= vec4<u32>(2u));
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let local_row = gid.x;
+  if (local_row >= params.rows) {
+    return;
+  }
+  for (var k = 0u; k < 4u; k++) {
+    let b = LEVEL_BASE + 4u * k;
+    level_quads[k] = vec4<f32>(levels[b], levels[b + 1u], levels[b + 2u], levels[b + 3u]);
+  }
+  let row = params.row_start + local_row;
+  let t0 = gid.y * TT;
+  let tile = min(TT, params.positions - t0);
+  var x_base = params.x_offset + t0 * params.x_stride;
+  if (params.x_block_rows > 0u) {
+    x_base += (local_row / params.x_block_rows) * params.x_block_stride;
+  }
+  // Positions past the tile read position 0 of the tile (always valid) and are not stored.
+  let stride1 = select(0u, params.x_stride, tile > 1u) >> 2u;
+  let stride2 = select(0u, 2u * params.x_stride, tile > 2u) >> 2u;
+  let stride3 = select(0u, 3u * params.x_stride, tile > 3u) >> 2u;
+  let words_per_group = params.group_chunks * CODE_BITS;
+  var acc = vec4<f32>(0.0);
+  for (var g = 0u; g < params.groups; g++) {
+    var sums = vec4<f32>(0.0);
+    let word0 = row * params.row_words + g * words_per_group;
+    let x0 = (x_base >> 2u) + g * params.group_chunks * 8u;
+    for (var w = 0u; w < words_per_group; w++) {
+      let word = word_at(word0 + w);
+      for (var q = 0u; q < QUADS; q++) {
+        let level = levels_of(word, q);
+        let xi = x0 + w * QUADS + q;
+        if (TT == 1u) {
+          sums.x += dot(level, xh[xi]);
+        } else {
+          sums += vec4<f32>(dot(level, xh[xi]), dot(level, xh[xi + stride1]), dot(level, xh[xi + stride2]),
+                            dot(level, xh[xi + stride3]));
+        }
+      }
+    }
+    acc += norm_of(row, g) * sums;
+  }
+  let out = params.y_offset + t0 * params.y_stride + local_row;
+  y[out] = acc.x;
+  if (tile > 1u) { y[out + params.y_stride] = acc.y; }
+  if (tile > 2u) { y[out + 2u * params.y_stride] = acc.z; }
+  if (tile > 3u) { y[out + 3u * params.y_stride] = acc.w; }
+}
