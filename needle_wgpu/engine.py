@@ -150,6 +150,28 @@ class Needle3:
         return stops
 
     # ------------------------------------------------------------------ analysis
+    def confidence(self, ids=None, *, prompt=None, completion=None) -> float:
+        """Probability from the confidence head (§7) for prompt + completion ids (BOS first).
+
+        Pass ``ids`` directly, or a prompt and a completion as text. Empty input -> 0.5 (no
+        evidence either way). Raises UnsupportedModelError when the file has no such head.
+        """
+        import math
+
+        if ids is None:
+            tokenizer = self._need_tokenizer()
+            ids = [tokenizer.bos_id] + tokenizer.encode(str(prompt or "") + str(completion or ""))
+        request, _ = saturate_ids(ids)
+        if not request:
+            return 0.5
+        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True)
+        try:
+            logit = session.confidence_logit(request[: session.context])
+        finally:
+            session.close()
+        return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
+
+
     def logits(self, ids, kv="f32", context=None):
         """Logits of every position as a list of float lists (rows = head_rows); [] when empty."""
         request, _ = saturate_ids(ids)

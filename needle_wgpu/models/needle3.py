@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import struct
 
-from ..errors import ContextFullError, NeedleError
+from ..errors import ContextFullError, NeedleError, UnsupportedModelError
 from ..formats.cact import CactFile
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
 from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
+from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
 from ..sampling import Sampling
@@ -26,7 +27,7 @@ class Needle3Gpu:
         self.device = device
         self.cact = container
         self.geometry = g = container.geometry
-        report = progress or (lambda stage, done, total: None)
+        self.report = report = progress or (lambda stage, done, total: None)
         self.group = container["embedding"].group
         self.levels = device.buffer(256, label="levels", data=cq.levels_bytes(container), kind="weights")
         self.fp16 = Fp16Store(device, container)
@@ -54,6 +55,10 @@ class Needle3Gpu:
             device, "engram.kv", [container[f"engram.{s}.{p}"] for s in sites for p in ("key_proj", "value_proj")])
         self.engram_tables = [cq.upload_pack(device, f"engram.{s}.tables", [container[f"engram.{s}.tables"]])
                               for s in sites]
+        self.confidence = None
+        if probe_ops.CONFIDENCE in container.head_codes:
+            self.confidence = probe_ops.ConfidenceHead(container)
+            self.probes = cq.upload_pack(device, "probes", [self.confidence.probes])
         report("upload", g.num_layers, g.num_layers)
 
     @property
@@ -61,8 +66,8 @@ class Needle3Gpu:
         n = self.geometry.mhc_lanes
         return 2 * n + n * n
 
-    def session(self, context=None, kv="f32") -> "Needle3Session":
-        return Needle3Session(self, context=context, kv=kv)
+    def session(self, context=None, kv="f32", confidence=False) -> "Needle3Session":
+        return Needle3Session(self, context=context, kv=kv, confidence=confidence)
 
 
 def _pad(width: int, group: int) -> int:
@@ -76,7 +81,7 @@ class Needle3Session:
     bind group is built once. Decode is one submit; its only readback is the sampled id.
     """
 
-    def __init__(self, model: Needle3Gpu, context=None, kv="f32"):
+    def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False):
         g = model.geometry
         self.model, self.device = model, model.device
         limit = g.max_seq_len
@@ -120,11 +125,23 @@ class Needle3Session:
         self.engram_ring = dev.buffer(F32 * sites * self.ring * g.d_model, label="engram_ring", kind="session")
         self.qkv_rings = [dev.buffer(F32 * self.ring * (g.q_dim + g.k_dim + g.v_dim), label=f"qkv_ring.{i}",
                                      kind="kv") for i in range(g.num_layers)]
+        self.cells = None
+        if confidence:
+            # Hidden cells and the §7 probe pool: only sessions that score confidence pay for them.
+            if model.confidence is None:
+                raise UnsupportedModelError("this model file has no confidence head (§7)")
+            head = model.confidence
+            C = g.num_layers + 1
+            self.cells = dev.buffer(F32 * T * C * g.d_model, label="cells", kind="scratch")
+            self.cellsh = dev.buffer(F32 * T * C * _pad(g.d_model, G), label="cellsh", kind="scratch")
+            self.scores = dev.buffer(F32 * T * head.probe_rows, label="scores", kind="scratch")
+            self.pool = dev.buffer(F32 * head.probe_rows * (g.d_model + 2), label="probe_pool", kind="session",
+                                   data=probe_ops.pool_reset_bytes(head.probe_rows, g.d_model))
         self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8, chunk=T) for i in range(g.num_layers)]
 
     # ------------------------------------------------------------------ plans
-    def _plan(self, positions: int, sample: Sampling | None, cells: bool = False) -> tuple:
-        key = (positions, sample, cells)
+    def _plan(self, positions: int, sample: Sampling | None):
+        key = (positions, sample)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._build(positions, sample)
@@ -141,8 +158,9 @@ class Needle3Session:
         sites = len(g.engram_sites)
         d_pad = _pad(d, G)
 
+        cells = self.cells
         embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
-                        lanes=self.lanes, positions=T)
+                        lanes=self.lanes, positions=T, cells=cells)
         # Engram keys and values for every site, once per chunk (§4.2).
         for s in range(sites):
             engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[s], levels=m.levels,
@@ -153,7 +171,10 @@ class Needle3Session:
                         ring_size=self.ring, ev=self.ev, positions=T)
 
         qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
+        compiled = dev.pipeline_count
         for layer in range(g.num_layers):
+            if dev.pipeline_count != compiled:  # only report while new pipelines are compiling
+                m.report("compile", layer, g.num_layers)
             weights = m.layers[layer]
             mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T)
             cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
@@ -173,17 +194,43 @@ class Needle3Session:
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
                       x_stride=_pad(g.attn_out, G), y_stride=d)
             mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=layer,
-                            shape=m.hada_shape, lanes_n=n, positions=T)
+                            shape=m.hada_shape, lanes_n=n, positions=T, cells=cells,
+                            cell_stride=(g.num_layers + 1) * d)
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
                              positions=T, group=G)
         cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=T, x_stride=d_pad,
                   y_stride=g.head_rows, rows=g.head_rows)
+        if cells is not None:
+            self._build_probe_pool(plan, arena, T)
+        if dev.pipeline_count != compiled:
+            m.report("compile", g.num_layers, g.num_layers)
         if sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(T - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=sample)
         return plan
+
+    def _build_probe_pool(self, plan: Plan, arena: UniformArena, T: int) -> None:
+        """§7 step 1 for the chunk: probe scores per cell (bands of cq_matmul), then the pool."""
+        m, g = self.model, self.model.geometry
+        head, G, d = m.confidence, m.group, g.d_model
+        C, k, d_pad = g.num_layers + 1, head.per_cell, _pad(g.d_model, G)
+        cq.prepare(plan, arena, self.cells, self.cellsh, width=d, group=G, positions=T * C, x_stride=d)
+        for cell in range(C):
+            cq.matmul(plan, arena, m.probes, m.levels, self.cellsh, self.scores, positions=T, x_stride=C * d_pad,
+                      x_offset=cell * d_pad, y_stride=C * k, y_offset=cell * k, row_start=cell * k, rows=k)
+        probe_ops.pool(plan, arena, scores=self.scores, cells=self.cells, state=self.pool, d=d, positions=T,
+                       probes=C * k, per_cell=k, cells_count=C)
+
+    def confidence_logit(self, ids: list) -> float:
+        """The confidence head's logit over ``ids`` (prompt + completion, BOS first; §7)."""
+        if self.cells is None:
+            raise NeedleError("create the session with confidence=True to score confidence")
+        self.prefill(ids)
+        head = self.model.confidence
+        state = self.device.read(self.pool, 4 * head.probe_rows * (self.model.geometry.d_model + 2))
+        return head.logit(state)
 
     # ------------------------------------------------------------------ running
     def _check(self):

@@ -154,3 +154,21 @@ def test_shipped_geometry_decode_and_int8(shipped):
     got8 = np.array(model.logits(ids, kv="int8", context=32))
     assert rel(got8, want8) <= 2e-2
     assert argmax_mismatches(got8, want8) == 0
+
+
+def test_confidence_matches_reference(device, tmp_path):
+    """The GPU probe pool + host finish equal the reference ProbePool (§7), across chunks."""
+    from needle_wgpu.synth import synthesize
+
+    path = tmp_path / "tiny-heads.cact"
+    path.write_bytes(synthesize("tiny", 3))
+    model = Needle3.load(path, device=device)
+    reference = ReferenceModel.from_path(path)
+    for ids in ([2], LEN7, LEN40 + LEN40[1:30]):
+        want = reference.confidence_logit(ids)
+        session = model.gpu.session(context=len(ids), confidence=True)
+        got = session.confidence_logit(ids)
+        session.close()
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (len(ids), got, want)
+    probability = model.confidence(LEN7)
+    assert abs(probability - reference.confidence(LEN7)) <= 1e-4
