@@ -60,8 +60,9 @@ def tree_hash(paths) -> str:
 
 
 def copy_if_changed(source: Path, target: Path) -> None:
-    if target.exists() and target.stat().st_size == source.stat().st_size and target.read_bytes() == source.read_bytes():
-        return
+    if target.exists() and target.stat().st_size == source.stat().st_size:
+        if target.read_bytes() == source.read_bytes():
+            return
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
 

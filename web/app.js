@@ -19,7 +19,8 @@ let nextId = 1;
 const pending = new Map();
 let mode = "tools";
 let modelLoaded = false;
-let busy = false;
+let busy = false;        // a load or a generation is running
+let generating = false;
 let droppedFile = null;
 
 // ---------------------------------------------------------------------------- worker plumbing
@@ -39,9 +40,17 @@ function failAll(message) {
   pending.clear();
 }
 
+let restarts = 0;
+
 function restart() {
   if (worker) worker.terminate();
-  modelLoaded = false;
+  modelLoaded = busy = generating = false;
+  updateButtons();
+  if (++restarts > 2) {  // a worker that cannot even start would otherwise loop forever
+    setStatus("error", "Engine failed");
+    showError("The engine failed repeatedly and was stopped; reload the page to try again (details in the console).");
+    return;
+  }
   startWorker();
   boot();
 }
@@ -63,6 +72,9 @@ function onWorkerMessage(msg) {
     }
   } else if (msg.type === "progress") {
     showProgress(msg);
+  } else if (msg.type === "fatal") {
+    showError("The Python runtime crashed; the engine is restarting (the model will be loaded again).");
+    restart();
   } else if (msg.type === "token") {
     ui.output.append(document.createTextNode(msg.text));
     needle.streamedTokens = msg.count;
@@ -116,7 +128,7 @@ const mb = (bytes) => `${(bytes / 1e6).toFixed(bytes < 1e7 ? 2 : 1)} MB`;
 function updateButtons() {
   ui.generate.disabled = busy || !modelLoaded;
   ui.load.disabled = busy;
-  ui.stop.disabled = !busy;
+  ui.stop.disabled = !generating;
 }
 
 // ---------------------------------------------------------------------------- boot and load
@@ -128,8 +140,9 @@ async function boot() {
     showError(reply.error.message);
     return;
   }
-  const { device, bootSeconds } = reply.result;
+  const { device, bootSeconds, stages } = reply.result;
   needle.bootSeconds = bootSeconds;
+  needle.bootStages = stages;
   if (!device.ok) {
     setStatus("error", "No GPU");
     showError(device.error.message);
@@ -161,7 +174,8 @@ async function loadModel(spec) {
     modelLoaded = true;
     const seconds = (performance.now() - started) / 1000;
     ui.summary.textContent = `${m.name}: ${mb(m.bytes)}, ${m.layers} layers, d=${m.dModel}, vocab ${m.vocab}, ` +
-      `context ${m.context}${m.fromCache ? " (from cache)" : ""} · ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines`;
+      `context ${m.context}${m.fromCache ? " (from cache)" : ""} · ` +
+      `ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines`;
     ui.deviceName.textContent = m.device.adapter;
     setStatus("ready", "Ready");
     needle.model = m;
@@ -189,9 +203,7 @@ ui.load.addEventListener("click", () => {
 });
 
 for (const radio of document.querySelectorAll('input[name="source"]')) {
-  radio.addEventListener("change", () => {
-    for (const panel of document.querySelectorAll(".source-panel")) panel.hidden = panel.dataset.source !== selectedSource();
-  });
+  radio.addEventListener("change", () => pickSource(selectedSource()));
 }
 
 function pickSource(value) {
@@ -274,6 +286,7 @@ function formatStats(r) {
   parts.push(`${r.tokens} token${r.tokens === 1 ? "" : "s"}`);
   parts.push(`prompt ${r.promptTokens}`);
   parts.push(`finish: ${r.finishReason}`);
+  if (r.tokens && !r.text.trim()) parts.push("the output is only whitespace");
   const s = r.settings;
   parts.push(`T=${s.temperature} k=${s.top_k} p=${s.top_p} seed=${s.seed} max=${s.max_tokens}`);
   return parts.join(" · ");
@@ -282,7 +295,7 @@ function formatStats(r) {
 async function generate() {
   if (busy || !modelLoaded) return;
   clearError();
-  busy = true;
+  busy = generating = true;
   updateButtons();
   setStatus("busy", "Generating…");
   ui.output.replaceChildren();
@@ -290,7 +303,7 @@ async function generate() {
   ui.stats.textContent = "Prefilling the prompt…";
   ui.callsBlock.hidden = true;
   const reply = await request("generate", { request: readRequest() });
-  busy = false;
+  busy = generating = false;
   hideProgress();
   needle.lastResult = reply;
   if (reply.ok) {

@@ -35,6 +35,7 @@ class State:
     model_bytes = None  # kept to reload after a device loss
     model_name = ""
     summary = None
+    loss_reported = False  # a lost device is reported once, then replaced on the next request
 
 
 def emit(**event) -> None:
@@ -60,13 +61,15 @@ def entry(fn):
             return json.dumps({"ok": True, "result": fn(*args)}, allow_nan=False)
         except NeedleError as exc:
             if isinstance(exc, DeviceLostError) or (State.device is not None and State.device.lost_reason):
+                State.loss_reported = True
                 message = (f"The GPU device was lost ({getattr(State.device, 'lost_reason', None) or exc}). "
                            "The model will be uploaded again on the next request.")
                 return json.dumps({"ok": False, "error": {"kind": "DeviceLostError", "message": message}})
             return json.dumps({"ok": False, "error": {"kind": type(exc).__name__, "message": str(exc)}})
         except Exception as exc:
             traceback.print_exc()
-            message = f"Something went wrong inside the engine ({type(exc).__name__}); details are in the browser console."
+            message = (f"Something went wrong inside the engine ({type(exc).__name__}); "
+                       "details are in the browser console.")
             return json.dumps({"ok": False, "error": {"kind": "InternalError", "message": message}})
 
     return wrapper
@@ -78,6 +81,7 @@ def _open_device():
         State.device.destroy()
         State.device = None
     device = run_sync(create_browser_device())
+    State.loss_reported = False
     device.on_pipeline = lambda count, label: progress("compile", f"Compiling GPU pipelines ({label})", count, None)
     State.device = device
     return device
@@ -101,23 +105,28 @@ def _upload(data: bytes, name: str) -> dict:
     started = time.perf_counter()
     container = cact.load(data)  # raises ContainerError before the loaded model is touched
     parsed = time.perf_counter()
+    State.model = None  # if this upload fails, the next request re-uploads the previous model
     device = State.device
     if device is None or device.lost_reason:
-        State.model = None
         device = _open_device()
     else:
-        State.model = None
         device.release_dropped()  # the old model's memory, now rather than at JS garbage collection
     layers = container.geometry.num_layers
-    model = Needle3.load(data, device=device,
-                         progress=lambda stage, done, total: progress("upload", f"Uploading weights (layer {done} of {layers})", done, total))
+
+    def report(stage, done, total):
+        progress("upload", f"Uploading weights (layer {done} of {layers})", done, total)
+
+    model = Needle3.load(data, device=device, progress=report)
     device.check("uploading the weights")
     uploaded = time.perf_counter()
-    progress("compile", "Compiling GPU pipelines", 0, None)
+    progress("compile", "Compiling GPU pipelines and running a first step", 0, None)
     session = model.gpu.session()
     try:
+        # A two-token prefill and one decode step build both plans (prefill and decode use
+        # different kernel variants), so every pipeline is compiled before the first request.
         bos = model.tokenizer.bos_id if model.tokenizer is not None else 1
-        session.prefill([bos], Sampling())  # builds the plans, so every pipeline is compiled now
+        session.prefill([bos, bos], Sampling())
+        session.step(Sampling())
     finally:
         session.close()
     compiled = time.perf_counter()
@@ -144,7 +153,10 @@ def load_model(js_bytes, name) -> dict:
 def _ready_model() -> Needle3:
     if State.model is None and State.model_bytes is None:
         raise NeedleError("no model is loaded yet: load the bundled model, a file or a URL first")
-    if State.model is None or State.device is None or State.device.lost_reason:
+    lost = State.device is not None and State.device.lost_reason
+    if lost and not State.loss_reported:
+        raise DeviceLostError(f"the GPU device was lost ({lost})")
+    if State.model is None or State.device is None or lost:
         progress("upload", "Recovering: opening a new GPU device and uploading the model again")
         _upload(State.model_bytes, State.model_name)
     return State.model
@@ -210,11 +222,12 @@ def generate(request_json: str) -> dict:
         stream.close()
     text = result.text if not stopped and result.text else "".join(pieces)
     decode_seconds = (last - first) if first is not None else 0.0
+    decode_rate = (len(pieces) - 1) / decode_seconds if len(pieces) > 1 and decode_seconds > 0 else None
     out = {
         "text": text, "tokens": len(pieces), "ids": ids, "promptTokens": result.prompt_tokens,
         "finishReason": "stopped" if stopped else result.finish_reason,
         "timeToFirstTokenSeconds": finite(first - started) if first is not None else None,
-        "decodeTokensPerSecond": finite((len(pieces) - 1) / decode_seconds) if len(pieces) > 1 and decode_seconds > 0 else None,
+        "decodeTokensPerSecond": finite(decode_rate) if decode_rate is not None else None,
         "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 1),
         "clampedIds": result.clamped_ids, "settings": effective, "mode": mode,
     }
@@ -280,26 +293,23 @@ def info() -> dict:
 
 
 @entry
-def profile(positions) -> dict:
-    """Seconds per dispatch label for one chunk of ``positions`` tokens, each dispatch timed alone.
-
-    Every dispatch is its own submit followed by a 4-byte readback, so the sum is larger than a
-    real step; the shares show which kernels dominate on this GPU.
-    """
+def bench(prompt_tokens, decode_tokens) -> dict:
+    """Prefill and decode speed on this GPU: ``prompt_tokens`` ids, then up to ``decode_tokens``
+    greedy steps (the counters say what each step costs in dispatches and readbacks)."""
     model = _ready_model()
-    T = max(1, min(int(positions), 64))
-    session = model.gpu.session()
-    try:
-        plan = session._plan(T, None)
-        device = model.device if hasattr(model, "device") else State.device
-        totals = {}
-        for dispatch in plan.dispatches:
-            started = time.perf_counter()
-            device._submit([dispatch], [])
-            device.read(session.result, 4)
-            label = dispatch.label
-            totals[label] = totals.get(label, 0.0) + time.perf_counter() - started
-    finally:
-        session.close()
-    return {"positions": T, "dispatches": len(plan.dispatches),
-            "seconds": {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
+    g = model.geometry
+    prompt = max(1, min(int(prompt_tokens), g.max_seq_len - 2))
+    ids = [2] + [4 + (7 * i) % (g.vocab - 4) for i in range(prompt - 1)]
+    device = State.device
+    before = dict(dispatches=device.counters.dispatches, submits=device.counters.submits,
+                  read=device.counters.bytes_read)
+    started = time.perf_counter()
+    result = model.generate(ids=ids, max_tokens=max(1, int(decode_tokens)))
+    elapsed = time.perf_counter() - started
+    return {"promptTokens": prompt, "decodeTokens": len(result.ids), "seconds": round(elapsed, 3),
+            "timeToFirstTokenSeconds": finite(result.time_to_first_token_s),
+            "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 2),
+            "decodeTokensPerSecond": finite(result.decode_tokens_per_s, 2),
+            "dispatches": device.counters.dispatches - before["dispatches"],
+            "submits": device.counters.submits - before["submits"],
+            "bytesRead": device.counters.bytes_read - before["read"]}

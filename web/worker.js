@@ -2,7 +2,8 @@
 //
 // Protocol (see app.js): the page posts {id, type, ...}; the worker answers each with
 // {id, type: "reply", ok, result | error}, and meanwhile posts events without an id:
-// {type: "progress", stage, text, done, total}, {type: "token", ...}, {type: "log", text}.
+// {type: "progress", stage, text, done, total}, {type: "token", id, text, count}, and {type: "fatal"}
+// when the Python runtime died (the page then starts a new worker).
 // Requests run one at a time, in order; "stop" is handled at once (it sets a flag that Python
 // reads between tokens, which it can do because every token waits on the GPU through JSPI).
 // Every Python entry point returns a JSON string and never raises (needle_worker.py); anything
@@ -14,6 +15,7 @@ const BUILD = "__BUILD_ID__";
 const CACHE_NAME = "needle-wgpu-models-v1";
 
 let pyodide = null;
+let manifest = null;    // build.json: wheel path, bundled models, versions
 let glue = null;        // the needle_worker Python module
 let bootError = null;
 const queue = [];
@@ -34,14 +36,21 @@ globalThis.needleEmit = (json) => post(JSON.parse(json));
 
 async function boot() {
   const started = performance.now();
+  const stages = {};
+  const lap = (name, since) => {
+    stages[name] = Math.round(performance.now() - since) / 1000;
+    return performance.now();
+  };
   progress("boot", "Loading the build manifest");
-  const manifest = await (await fetch(new URL(`build.json?b=${BUILD}`, import.meta.url), { cache: "no-store" })).json();
+  manifest = await (await fetch(new URL(`build.json?b=${BUILD}`, import.meta.url), { cache: "no-store" })).json();
   progress("boot", `Starting Python (Pyodide ${manifest.pyodide})`);
+  let at = performance.now();
   pyodide = await loadPyodide({
     indexURL: new URL("./pyodide/", import.meta.url).href,
     stdout: (line) => console.log(`[python] ${line}`),
     stderr: (line) => console.warn(`[python] ${line}`),
   });
+  at = lap("pyodide", at);
   progress("boot", "Installing needle_wgpu");
   const wheelURL = new URL(manifest.wheel, import.meta.url).href;
   const problems = [];
@@ -52,10 +61,12 @@ async function boot() {
   const glueSource = await (await fetch(new URL(`${manifest.glue}?b=${BUILD}`, import.meta.url))).text();
   pyodide.FS.writeFile("/home/pyodide/needle_worker.py", glueSource);
   glue = pyodide.pyimport("needle_worker");
+  at = lap("wheel", at);
   progress("boot", "Opening the GPU");
   const device = JSON.parse(await glue.open_device.callPromising());
+  lap("device", at);
   const seconds = (performance.now() - started) / 1000;
-  return { bootSeconds: seconds, manifest, device };
+  return { bootSeconds: seconds, stages, manifest, device };
 }
 
 // ---------------------------------------------------------------------------- model bytes
@@ -120,7 +131,7 @@ async function modelBytes(msg) {
     }
     return { bytes, name, cacheKey: url.href, cached: false };
   }
-  const url = new URL(msg.file || "models/needle3-tiny.cact", import.meta.url);
+  const url = new URL(manifest.models[0].file, import.meta.url);
   const bytes = await fetchWithProgress(url.href, "the bundled model");
   return { bytes, name: url.pathname.split("/").pop(), cacheKey: null, cached: false };
 }
@@ -160,8 +171,8 @@ const handlers = {
     const model = await modelBytes({ source: "default" });
     return callPython("cq_matmul", model.bytes, msg.tensor, Float32Array.from(msg.x), msg.positions);
   },
-  async profile(msg) {
-    return callPython("profile", msg.positions || 1);
+  async bench(msg) {
+    return callPython("bench", msg.prompt || 16, msg.decode || 8);
   },
   async lose_device() {
     return callPython("lose_device");
@@ -198,7 +209,7 @@ async function handle(msg) {
     await booting.catch(() => {});
     if (!glue) return { ok: false, error: { kind: "BootError", message: bootError || "the engine failed to start" } };
   }
-  const handler = handlers[msg.type];
+  const handler = Object.hasOwn(handlers, msg.type) ? handlers[msg.type] : null;
   if (!handler) return { ok: false, error: { kind: "InputError", message: `unknown request type ${msg.type}` } };
   return handler(msg);
 }
@@ -214,9 +225,19 @@ async function drain() {
     } catch (error) {
       if (error instanceof UserError) {
         reply = { ok: false, error: { kind: "InputError", message: error.message } };
+      } else if (/fatal(ly)? (error|failed)/i.test(String(error && error.message))) {
+        // The Python runtime cannot be used again: answer, then ask the page for a new worker.
+        console.error("needle worker: Pyodide failed fatally:", error);
+        const message = "The Python runtime crashed; the engine is restarting.";
+        post({ id: msg.id, type: "reply", ok: false, error: { kind: "FatalError", message } });
+        post({ type: "fatal" });
+        queue.length = 0;
+        continue;
       } else {
         console.error("needle worker:", error);
-        reply = { ok: false, error: { kind: "InternalError", message: `internal error in the worker (${error && error.name || "Error"}); details are in the browser console` } };
+        const message = `internal error in the worker (${(error && error.name) || "Error"}); ` +
+          "details are in the browser console";
+        reply = { ok: false, error: { kind: "InternalError", message } };
       }
     }
     post({ id: msg.id, type: "reply", ...reply });

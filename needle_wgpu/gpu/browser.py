@@ -37,12 +37,13 @@ WANTED_LIMITS = {
     "maxComputeWorkgroupSizeX": 256,
 }
 
-# What the kernels cannot run without (shaders/*.wgsl): 256-thread workgroups, and up to nine
-# storage buffers in one kernel (the engram fetch), one more than a default device allows.
+# What the kernels cannot run without (shaders/*.wgsl): 256-thread workgroups and seven storage
+# buffers in one kernel (mhc_mix). Core WebGPU guarantees these; reduced adapters (compatibility
+# mode) may not, and are refused with a message instead of failing at the first pipeline.
 NEEDED_LIMITS = {
     "maxComputeInvocationsPerWorkgroup": 256,
     "maxComputeWorkgroupSizeX": 256,
-    "maxStorageBuffersPerShaderStage": 9,
+    "maxStorageBuffersPerShaderStage": 7,
 }
 
 ERROR_FILTERS = ("validation", "out-of-memory", "internal")
@@ -252,7 +253,8 @@ class BrowserDevice(Device):
     def _create_buffer(self, size, usage, label):
         self._guard(label)
         try:
-            handle = self._device.createBuffer(self._object({"size": size, "usage": self._usage[usage], "label": label}))
+            descriptor = self._object({"size": size, "usage": self._usage[usage], "label": label})
+            handle = self._device.createBuffer(descriptor)
         except Exception as exc:
             raise _translate(exc, f"allocating {label} ({size} bytes)") from None
         return handle
@@ -288,15 +290,6 @@ class BrowserDevice(Device):
                 self._queue.writeBuffer(handle, offset, staged)
         except Exception as exc:
             raise _translate(exc, "writing to the GPU") from None
-
-    def write_js(self, buffer, source, offset: int = 0) -> None:
-        """Upload a JS ``ArrayBuffer``/typed array straight from JS memory (no Python copy)."""
-        size = int(source.byteLength)
-        if size % 4 or offset + size > buffer.size:
-            raise DeviceError(f"{buffer.label}: JS write of {size} bytes at {offset} is misaligned or overflows")
-        self._guard("write")
-        self._queue.writeBuffer(buffer.handle, offset, source)
-        self.counters.bytes_written += size
 
     def _read(self, handle, offset, size):
         self._guard("read")

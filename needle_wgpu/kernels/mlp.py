@@ -45,19 +45,19 @@ class HadaShape:
     def check(self) -> None:
         if self.ba * self.bb != self.hada_n or self.width > self.hada_n or not 1 <= self.rank <= self.hada_n:
             raise UnsupportedModelError(f"HadaMLP sizes {self} are inconsistent (§4.6)")
-        if 4 * (2 * self.n_cap + self.f_cap + THREADS) > WORKGROUP_BYTES:
+        if self.ba % 4 or self.bb % 4 or self.width % 4:
+            raise UnsupportedModelError(
+                f"mlp_mix: d = {self.width} and the Kronecker blocks {self.ba} x {self.bb} must be multiples of 4 "
+                "(the kernel works on 4 x 4 tiles and 4-element slots)")
+        if self.workgroup_bytes > WORKGROUP_BYTES:
             raise UnsupportedModelError(
                 f"mlp_mix: hada_n {self.hada_n} ({self.ba} x {self.bb}) needs more than "
                 f"{WORKGROUP_BYTES} bytes of workgroup memory")
 
     @property
-    def n_cap(self) -> int:
-        return (self.hada_n + THREADS - 1) // THREADS * THREADS
-
-    @property
-    def f_cap(self) -> int:
-        """Factor buffer: holds A (ba²), B (bb²) and the r cond weights (r <= N <= max(ba,bb)²)."""
-        return max(self.ba * self.ba, self.bb * self.bb, self.rank)
+    def workgroup_bytes(self) -> int:
+        """Two hada vectors, then the sum scratch: one vec4 per invocation, 16 row sums, the total."""
+        return 4 * 2 * self.hada_n + 16 * (THREADS + 16 + 1)
 
 
 def _placeholder(device: Device):
@@ -86,9 +86,9 @@ def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, st
 
     Bindings: 0 params, 1 attn_out (read), 2 state (read), 3 lanes (read-write), 4 fp16,
     5 perm (read), 6 cells (written; a placeholder when None): 6 storage. lanes and cells are
-    written, so attn_out and state must not live in either of those buffers. Constants: N_CAP
-    (hada_n rounded up to 256), F_CAP (max(ba², bb², r)). Workgroups: (T,), 256 invocations;
-    workgroup memory 4·(2·N_CAP + F_CAP + 256) bytes (13 KiB shipped).
+    written, so attn_out and state must not live in either of those buffers. Constants: WIDTH,
+    LANES, BA, BB, RANK, WRITE_CELL (sizes are pipeline constants, see shaders/mlp_mix.wgsl).
+    Workgroups: (T,), 256 invocations; workgroup memory ``shape.workgroup_bytes`` (12.3 KiB shipped).
     """
     shape.check()
     n, d, N = lanes_n, shape.width, shape.hada_n
@@ -96,25 +96,25 @@ def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, st
         raise UnsupportedModelError(f"mlp_mix: {n} mHC lanes (at most {MAX_LANES} supported)")
     if positions > state.positions or (state.width, state.lanes) != (d, n):
         raise UnsupportedModelError("mlp_mix: the mhc_state scratch does not match this chunk")
+    write_cell = cells is not None
     if cells is None:
-        cells, write_cell, cell_offset, cell_stride = _placeholder(plan.device), 0, 0, 0
+        cells, cell_offset, cell_stride = _placeholder(plan.device), 0, 0
     else:
-        write_cell = 1
         cell_offset = ((layer + 1) if cell_index is None else cell_index) * d
         if cell_stride is None:
             raise UnsupportedModelError("mlp_mix: cell_stride is required with cells ((L+1)·d)")
 
     window = fp16.layer_window(layer)
-
-    def at(name: str) -> int:
-        return window.offset(f"layers.{layer}.{name}")
+    names = ("post_norm", "attn_gate", "pre_hada", "d1", "d2", "b2", "d3", "d4",
+             "w1a", "w1b", "w2a", "w2b", "w3a", "w3b", "cond_v", "cond_u")
+    halves = [window.offset(f"layers.{layer}.{name}") for name in names]
+    if any(at % 2 for at in halves):  # the kernel reads FP16 vectors as whole words
+        raise UnsupportedModelError(f"mlp_mix: layer {layer}'s FP16 tensors are not 4-byte aligned")
 
     params = arena.add(
-        n, d, N, shape.rank, shape.ba, shape.bb, lane_stride or n * d, lane_offset,
-        attn_stride or d, attn_offset, state.u_at, state.bx_at, state.hmix_at, cell_stride, cell_offset, write_cell,
-        *(at(name) for name in ("post_norm", "attn_gate", "pre_hada", "d1", "d2", "b2", "d3", "d4",
-                                "w1a", "w1b", "w2a", "w2b", "w3a", "w3b", "cond_v", "cond_u")),
-        0, N, 0, 0)
-    key = KernelKey("mlp_mix", consts=(("N_CAP", shape.n_cap), ("F_CAP", shape.f_cap)))
+        lane_stride or n * d, lane_offset, attn_stride or d, attn_offset, state.u_at, state.bx_at, state.hmix_at,
+        cell_stride, cell_offset, *halves, 0, N, 0)
+    key = KernelKey("mlp_mix", consts=(("WIDTH", d), ("LANES", n), ("BA", shape.ba), ("BB", shape.bb),
+                                       ("RANK", shape.rank), ("WRITE_CELL", write_cell)))
     plan.add(key, [params, attn_out, Binding(state.buffer), lanes, window.binding, perm, cells],
              (positions,), label=f"mlp_mix {layer}")

@@ -16,11 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from .pages import DIST, ROOT, banner
+from .pages import CHROMIUM, DIST, ROOT, banner, launch
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 # SwiftShader is slow (a few tokens per second on the tiny model): generous, but finite.
 SLOW_MS = 240_000
 
@@ -44,14 +41,19 @@ def site() -> str:
 
 
 @pytest.fixture(scope="session")
-def browser():
+def playwright():
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} not found: the browser tests need the Debian chromium package (bash setup.sh --dev)")
-    with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
+    with sync_api.sync_playwright() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="session")
+def browser(playwright):
+    launched = launch(playwright)
+    yield launched
+    launched.close()
 
 
 @pytest.fixture(scope="session")

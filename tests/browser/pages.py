@@ -9,6 +9,16 @@ DIST = ROOT / "web" / "dist"
 ARTIFACTS = ROOT / "test-artifacts"
 BUNDLED = DIST / "models" / "needle3-tiny.cact"
 
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def launch(playwright, webgpu: bool = True):
+    """The system Chromium, headless; ``webgpu=False`` leaves out the flag that gives an adapter."""
+    args = [a for a in CHROMIUM_ARGS if webgpu or a != "--enable-unsafe-webgpu"]
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+
 
 def banner(page) -> str:
     """The error banner's text, or '' when it is hidden."""
