@@ -5,23 +5,24 @@
 //   u       = Σ_j hpre_j · X_t[j]
 //   hpost_j = 2·σ(a_post·post_j + b_post_j + (0 if j == active else −4))
 //   Hres    = Sinkhorn20(a_res·res + b_res)              (log domain, rows then columns, §3)
-//   bx      = u + σ(⟨rms_unit(u), rms_unit(K)⟩ / sqrt(d))·V   at an Engram site, else u
+//   bx      = u + σ(⟨rms_unit(u), rms_unit(K)⟩ / sqrt(d))·V   at an Engram site (ENGRAM), else u
 //   hh      = prepare_input(ZCRMSNorm(bx; norm_in))
 //
 // `mix_dots` holds the raw phi products of the position: pre (n), post (n), res (n·n, row-major).
 // Outputs go to the `state` scratch (u, bx, then hpost and Hres row-major) and to hh.
-// Constants: GROUP, CAP (>= pad(d)), FWHT_SCALE (f32 of 1/sqrt(GROUP)). n <= MAX_LANES.
+// Invocation lid owns channels 4q .. 4q+3 of each slot q = lid + THREADS·k.
+//
+// Sizes and the Engram switch are constants, never uniforms: lavapipe (Mesa 22.3) re-optimises and
+// recompiles a shader at every dispatch when a branch or loop bound depends on uniform values
+// alone ("inlined uniforms"), which cost more than the kernel itself.
+// Constants: GROUP, LANES (n), WIDTH (d, a multiple of 4), ENGRAM, FWHT_SCALE (f32 of 1/sqrt(GROUP)).
 
 struct Params {
-  lanes: u32,        // n
-  width: u32,        // d
-  d_pad: u32,        // pad(d), floats per position in hh
-  active_lane: u32,       // active lane (block index mod n, §4.4, §10)
+  active_lane: u32,  // active lane (block index mod n, §4.4, §10)
   lane_stride: u32,  // floats between positions in lanes
   lane_offset: u32,
   mix_stride: u32,   // floats between positions in mix
   mix_offset: u32,
-  engram: u32,       // 1 at an Engram site: gate with K and V
   ekv_stride: u32,   // floats between positions in ekv
   key_offset: u32,   // float offset of the site's K in a position's ekv row
   ev_stride: u32,    // floats between positions in ev
@@ -37,7 +38,7 @@ struct Params {
   b_pre_at: u32,
   b_post_at: u32,
   b_res_at: u32,
-  norm_in_at: u32,
+  norm_in_at: u32,   // even (the store aligns every tensor to 4 bytes)
   sqrt_d: f32,       // f32 of sqrt(d) (§4.5 item 1)
   _pad0: u32,
   _pad1: u32,
@@ -53,136 +54,195 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> hh: array<f32>;
 
 const THREADS: u32 = 256u;
-const MAX_LANES: u32 = 16u;
 const EPS: f32 = 1e-6;
 const SINKHORN_ITERATIONS: u32 = 20u;
+const D_PAD: u32 = (WIDTH + GROUP - 1u) / GROUP * GROUP;  // pad(d): floats per position in hh
+const CHANNEL_SLOTS: u32 = WIDTH / 4u;
+const PER_THREAD: u32 = (D_PAD / 4u + THREADS - 1u) / THREADS;
+const HMIX: u32 = LANES + LANES * LANES;
+const SUM_ROWS: u32 = 16u;  // workgroup_sum: THREADS = SUM_ROWS²
 
-var<workgroup> fwht_buf: array<f32, CAP>;
-var<workgroup> partial: array<vec4<f32>, THREADS>;
-var<workgroup> log_mix: array<f32, MAX_LANES * MAX_LANES>;
-var<workgroup> hpre: array<f32, MAX_LANES>;
+var<workgroup> fwht_buf: array<f32, D_PAD>;
+var<workgroup> hpre: array<f32, LANES>;
+var<workgroup> sum_in: array<vec4<f32>, THREADS>;
+var<workgroup> sum_rows: array<vec4<f32>, SUM_ROWS>;
+var<workgroup> sum_total: vec4<f32>;
 
 //#include fp16.wgsl
 //#include fwht.wgsl
+
+// The four halves at an even half offset: two words, no per-element select.
+fn half4_at(index: u32) -> vec4<f32> {
+  let word = index >> 1u;
+  return vec4<f32>(unpack2x16float(fp16[word]), unpack2x16float(fp16[word + 1u]));
+}
+
+fn lanes4(at: u32) -> vec4<f32> {
+  return vec4<f32>(lanes[at], lanes[at + 1u], lanes[at + 2u], lanes[at + 3u]);
+}
+
+fn ekv4(at: u32) -> vec4<f32> {
+  return vec4<f32>(ekv[at], ekv[at + 1u], ekv[at + 2u], ekv[at + 3u]);
+}
+
+fn ev4(at: u32) -> vec4<f32> {
+  return vec4<f32>(ev[at], ev[at + 1u], ev[at + 2u], ev[at + 3u]);
+}
+
+fn store_state4(at: u32, value: vec4<f32>) {
+  state[at] = value.x;
+  state[at + 1u] = value.y;
+  state[at + 2u] = value.z;
+  state[at + 3u] = value.w;
+}
 
 fn sigmoid(x: f32) -> f32 {
   return 1.0 / (1.0 + exp(-x));
 }
 
-// Component-wise sum of one vec4 per invocation (tree order); every invocation gets the total.
+// Component-wise sum of one vec4 per invocation; every invocation gets the same total. SUM_ROWS
+// invocations add a row of SUM_ROWS values each, then one adds the rows: three barriers, where a
+// tree needs log2(THREADS). A second call may follow at once: its stores come before barriers that
+// every invocation reaches only after reading this total.
 fn workgroup_sum(lid: u32, value: vec4<f32>) -> vec4<f32> {
-  partial[lid] = value;
+  sum_in[lid] = value;
   workgroupBarrier();
-  for (var step = THREADS / 2u; step > 0u; step >>= 1u) {
-    if (lid < step) {
-      partial[lid] += partial[lid + step];
+  if (lid < SUM_ROWS) {
+    var row = sum_in[lid * SUM_ROWS];
+    for (var m = 1u; m < SUM_ROWS; m++) {
+      row += sum_in[lid * SUM_ROWS + m];
     }
-    workgroupBarrier();
+    sum_rows[lid] = row;
   }
-  let total = workgroupUniformLoad(&partial[0]);
-  workgroupBarrier();  // partial is reused by the next sum
-  return total;
+  workgroupBarrier();
+  if (lid == 0u) {
+    var total = sum_rows[0];
+    for (var m = 1u; m < SUM_ROWS; m++) {
+      total += sum_rows[m];
+    }
+    sum_total = total;
+  }
+  workgroupBarrier();
+  return sum_total;
 }
 
-// One Sinkhorn half-step on log_mix: invocation `line` < n normalises row `line` (stride 1
-// along the row, n between rows) or column `line` (stride n along, 1 between columns).
-fn normalise_line(line: u32, n: u32, along: u32, across: u32) {
+// One Sinkhorn half-step on the n x n logits in registers: normalise line `line` (stride `along`
+// inside the line, `across` between lines): rows are (1, n), columns (n, 1).
+fn normalise_line(m: ptr<function, array<f32, LANES * LANES>>, line: u32, along: u32, across: u32) {
   let base = line * across;
-  var top = log_mix[base];
-  for (var k = 1u; k < n; k++) {
-    top = max(top, log_mix[base + k * along]);
+  var top = (*m)[base];
+  for (var k = 1u; k < LANES; k++) {
+    top = max(top, (*m)[base + k * along]);
   }
   var total = 0.0;
-  for (var k = 0u; k < n; k++) {
-    total += exp(log_mix[base + k * along] - top);
+  for (var k = 0u; k < LANES; k++) {
+    total += exp((*m)[base + k * along] - top);
   }
   let lse = top + log(total);
-  for (var k = 0u; k < n; k++) {
-    log_mix[base + k * along] -= lse;
+  for (var k = 0u; k < LANES; k++) {
+    (*m)[base + k * along] -= lse;
   }
 }
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let t = wg.x;
-  let n = params.lanes;
-  let d = params.width;
   let mix_row = params.mix_offset + t * params.mix_stride;
-  let hmix_row = params.hmix_at + t * (n + n * n);
+  let hmix_row = params.hmix_at + t * HMIX;
 
-  // Lane weights (§4.4, §4.7) and the Sinkhorn logits.
-  if (lid < n) {
+  // Lane weights (§4.4, §4.7).
+  if (lid < LANES) {
     let pre_off = select(-4.0, 4.0, lid == params.active_lane);
     hpre[lid] = sigmoid(half_at(params.a_pre_at) * mix_dots[mix_row + lid] + half_at(params.b_pre_at + lid) + pre_off);
     let post_off = select(-4.0, 0.0, lid == params.active_lane);
-    let post = half_at(params.a_post_at) * mix_dots[mix_row + n + lid] + half_at(params.b_post_at + lid) + post_off;
+    let post = half_at(params.a_post_at) * mix_dots[mix_row + LANES + lid] + half_at(params.b_post_at + lid) + post_off;
     state[hmix_row + lid] = 2.0 * sigmoid(post);
-  }
-  if (lid < n * n) {
-    log_mix[lid] = half_at(params.a_res_at) * mix_dots[mix_row + 2u * n + lid] + half_at(params.b_res_at + lid);
   }
   workgroupBarrier();
 
-  // Sinkhorn20 (§3): every iteration normalises the rows, then the columns.
-  for (var iteration = 0u; iteration < SINKHORN_ITERATIONS; iteration++) {
-    if (lid < n) {
-      normalise_line(lid, n, 1u, n);
-    }
-    workgroupBarrier();
-    if (lid < n) {
-      normalise_line(lid, n, n, 1u);
-    }
-    workgroupBarrier();
-  }
-  if (lid < n * n) {
-    state[hmix_row + n + lid] = exp(log_mix[lid]);
-  }
-
   // mix_down (§4.4): u = Σ_j hpre_j · X[j], lanes summed in order.
   let lane_row = params.lane_offset + t * params.lane_stride;
+  var bx: array<vec4<f32>, PER_THREAD>;
   var sums = vec4<f32>(0.0);
-  for (var c = lid; c < d; c += THREADS) {
-    var u = 0.0;
-    for (var j = 0u; j < n; j++) {
-      u += hpre[j] * lanes[lane_row + j * d + c];
-    }
-    state[params.u_at + t * d + c] = u;
-    fwht_buf[c] = u;
-    if (params.engram != 0u) {
-      let key = ekv[t * params.ekv_stride + params.key_offset + c];
-      sums += vec4<f32>(u * u, key * key, u * key, 0.0);
+  for (var k = 0u; k < PER_THREAD; k++) {
+    let q = lid + k * THREADS;
+    bx[k] = vec4<f32>(0.0);
+    if (q < CHANNEL_SLOTS) {
+      let c = 4u * q;
+      var u = vec4<f32>(0.0);
+      for (var j = 0u; j < LANES; j++) {
+        u += hpre[j] * lanes4(lane_row + j * WIDTH + c);
+      }
+      store_state4(params.u_at + t * WIDTH + c, u);
+      bx[k] = u;
+      if (ENGRAM) {
+        let key = ekv4(t * params.ekv_stride + params.key_offset + c);
+        sums += vec4<f32>(dot(u, u), dot(key, key), dot(u, key), 0.0);
+      }
     }
   }
 
   // Engram gate (§4.5 item 1): ⟨u,K⟩·r_u·r_K equals the dot of the two rms_unit vectors.
-  if (params.engram != 0u) {
+  if (ENGRAM) {
     let total = workgroup_sum(lid, sums);
-    let r_u = 1.0 / sqrt(total.x / f32(d) + EPS);
-    let r_k = 1.0 / sqrt(total.y / f32(d) + EPS);
+    let r_u = 1.0 / sqrt(total.x / f32(WIDTH) + EPS);
+    let r_k = 1.0 / sqrt(total.y / f32(WIDTH) + EPS);
     let alpha = sigmoid(total.z * r_u * r_k / params.sqrt_d);
-    for (var c = lid; c < d; c += THREADS) {
-      fwht_buf[c] += alpha * ev[t * params.ev_stride + params.value_offset + c];
+    for (var k = 0u; k < PER_THREAD; k++) {
+      let q = lid + k * THREADS;
+      if (q < CHANNEL_SLOTS) {
+        bx[k] += alpha * ev4(t * params.ev_stride + params.value_offset + 4u * q);
+      }
     }
   }
 
   // h = ZCRMSNorm(bx; norm_in) (§3), then prepare_input (§5.5.1).
   var squares = 0.0;
-  for (var c = lid; c < d; c += THREADS) {
-    let bx = fwht_buf[c];
-    state[params.bx_at + t * d + c] = bx;
-    squares += bx * bx;
-  }
-  let inv = 1.0 / sqrt(workgroup_sum(lid, vec4<f32>(squares, 0.0, 0.0, 0.0)).x / f32(d) + EPS);
-  for (var c = lid; c < params.d_pad; c += THREADS) {
-    var h = 0.0;
-    if (c < d) {
-      h = (1.0 + half_at(params.norm_in_at + c)) * fwht_buf[c] * inv;
+  for (var k = 0u; k < PER_THREAD; k++) {
+    let q = lid + k * THREADS;
+    if (q < CHANNEL_SLOTS) {
+      store_state4(params.bx_at + t * WIDTH + 4u * q, bx[k]);
+      squares += dot(bx[k], bx[k]);
     }
-    fwht_buf[c] = h;
   }
-  fwht_groups(lid, THREADS, params.d_pad, GROUP, FWHT_SCALE);
+  let inv = 1.0 / sqrt(workgroup_sum(lid, vec4<f32>(squares, 0.0, 0.0, 0.0)).x / f32(WIDTH) + EPS);
+  for (var k = 0u; k < PER_THREAD; k++) {
+    let q = lid + k * THREADS;
+    if (q < D_PAD / 4u) {
+      var h = vec4<f32>(0.0);
+      if (q < CHANNEL_SLOTS) {
+        h = (1.0 + half4_at(params.norm_in_at + 4u * q)) * bx[k] * inv;
+      }
+      fwht_buf[4u * q] = h.x;
+      fwht_buf[4u * q + 1u] = h.y;
+      fwht_buf[4u * q + 2u] = h.z;
+      fwht_buf[4u * q + 3u] = h.w;
+    }
+  }
+  fwht_groups(lid, THREADS, D_PAD, GROUP, FWHT_SCALE);
   let hh_row = params.hh_offset + t * params.hh_stride;
-  for (var c = lid; c < params.d_pad; c += THREADS) {
+  for (var c = lid; c < D_PAD; c += THREADS) {
     hh[hh_row + c] = fwht_buf[c];
+  }
+
+  // Sinkhorn20 (§3) of the res logits, by one invocation in registers: n x n is tiny, and last,
+  // since nothing else in the workgroup waits for it. Every iteration normalises rows, then columns.
+  if (lid == 0u) {
+    var m: array<f32, LANES * LANES>;
+    let a_res = half_at(params.a_res_at);
+    for (var e = 0u; e < LANES * LANES; e++) {
+      m[e] = a_res * mix_dots[mix_row + 2u * LANES + e] + half_at(params.b_res_at + e);
+    }
+    for (var iteration = 0u; iteration < SINKHORN_ITERATIONS; iteration++) {
+      for (var line = 0u; line < LANES; line++) {
+        normalise_line(&m, line, 1u, LANES);
+      }
+      for (var line = 0u; line < LANES; line++) {
+        normalise_line(&m, line, LANES, 1u);
+      }
+    }
+    for (var e = 0u; e < LANES * LANES; e++) {
+      state[hmix_row + LANES + e] = exp(m[e]);
+    }
   }
 }

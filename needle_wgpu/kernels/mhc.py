@@ -19,8 +19,9 @@ from ..gpu.device import Binding, Buffer, Device, KernelKey, Plan, UniformArena
 from .cq import fwht_scale
 from .params import Fp16Store
 
-MAX_LANES = 16  # the Sinkhorn works on n x n in workgroup memory, one row per invocation
+MAX_LANES = 16  # the Sinkhorn works on n x n in one invocation's registers
 WORKGROUP_BYTES = 16384
+_SUM_BYTES = 16 * (256 + 16 + 1)  # mhc_mix's workgroup_sum scratch: a vec4 per invocation, 16 rows, total
 
 
 @dataclass
@@ -131,34 +132,40 @@ def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, s
     Bindings: 0 params, 1 lanes, 2 mix_dots, 3 fp16 (the store), 4 ekv, 5 ev (read; at a
     non-site layer the lanes are bound there and never read), 6 state, 7 hh (written): 7 storage.
     state and hh are written, so they must be buffers distinct from each other and the inputs.
-    Constants: GROUP, CAP (pad(d) rounded up to 256), FWHT_SCALE. Workgroups: (T,), 256
-    invocations; workgroup memory 4·CAP + 5 KiB (8 KiB shipped).
+    Constants: GROUP, LANES, WIDTH, ENGRAM, FWHT_SCALE (sizes and the site switch are pipeline
+    constants, see shaders/mhc_mix.wgsl). Workgroups: (T,), 256 invocations; workgroup memory
+    4·pad(d) + 4·n + 4368 bytes (7.3 KiB shipped).
     """
     n, d = lanes_n, width
     if not 1 <= n <= MAX_LANES:
         raise UnsupportedModelError(f"mhc_mix: {n} mHC lanes (at most {MAX_LANES} supported)")
+    if d % 4:
+        raise UnsupportedModelError(f"mhc_mix: d = {d} is not a multiple of 4 (the kernel works on 4-channel slots)")
     if positions > state.positions or (state.width, state.lanes) != (d, n):
         raise UnsupportedModelError("mhc_mix: the mhc_state scratch does not match this chunk")
     d_pad = _pad(d, group)
-    cap = _cap(d_pad)
-    if 4 * cap + 4096 + 4 * MAX_LANES * (MAX_LANES + 1) > WORKGROUP_BYTES:
+    if 4 * d_pad + 4 * n + _SUM_BYTES > WORKGROUP_BYTES:
         raise UnsupportedModelError(f"mhc_mix: d = {d} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
     active = layer % n if active_lane is None else active_lane
     if engram is None:
         ekv = ev = lanes
-        gate = (0, 0, 0, 0, 0)
+        gate = (0, 0, 0, 0)
     else:
         ekv, ev = engram.ekv, engram.ev
-        gate = (1, engram.sites * 2 * d, engram.site * 2 * d, engram.sites * d, engram.site * d)
+        gate = (engram.sites * 2 * d, engram.site * 2 * d, engram.sites * d, engram.site * d)
     window = fp16.layer_window(layer)
     off = window.offset
     mhc = f"layers.{layer}.mhc."
+    norm_in = off(f"layers.{layer}.norm_in")
+    if norm_in % 2:  # read as whole words
+        raise UnsupportedModelError(f"mhc_mix: layers.{layer}.norm_in is not 4-byte aligned")
     params = arena.add(
-        n, d, d_pad, active, lane_stride or n * d, lane_offset, mix_stride or 2 * n + n * n, mix_offset,
+        active, lane_stride or n * d, lane_offset, mix_stride or 2 * n + n * n, mix_offset,
         *gate, state.u_at, state.bx_at, state.hmix_at, hh_stride or d_pad, hh_offset,
         off(mhc + "a_pre"), off(mhc + "a_post"), off(mhc + "a_res"),
         off(mhc + "b_pre"), off(mhc + "b_post"), off(mhc + "b_res"),
-        off(f"layers.{layer}.norm_in"), _f32(math.sqrt(d)), 0, 0)
-    key = KernelKey("mhc_mix", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
+        norm_in, _f32(math.sqrt(d)), 0, 0)
+    key = KernelKey("mhc_mix", consts=(("GROUP", group), ("LANES", n), ("WIDTH", d), ("ENGRAM", engram is not None),
+                                       ("FWHT_SCALE", fwht_scale(group))))
     plan.add(key, [params, lanes, mix_dots, window.binding, ekv, ev, Binding(state.buffer), hh],
              (positions,), label=f"mhc_mix {layer}")
