@@ -7,7 +7,10 @@
 // every code word once for all of them. 2- and 4-bit codes (and ternary crumbs); 3-bit files
 // use cq_matmul.wgsl.
 //
-// Constants: CODE_BITS (2 or 4), LEVEL_BASE, TT (1 or 4).
+// Constants: CODE_BITS (2 or 4), LEVEL_BASE, TT (1 or 4), GROUPS (groups per row), GROUP_CHUNKS
+// (32-code chunks per group), BLOCKED (rows read per-block inputs). Loop bounds and branches
+// are constants, never uniform values: lavapipe recompiles a shader at every dispatch whose
+// control flow depends on uniform values alone.
 
 struct Params {
   rows: u32,
@@ -86,19 +89,19 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let t0 = gid.y * TT;
   let tile = min(TT, params.positions - t0);
   var x_base = params.x_offset + t0 * params.x_stride;
-  if (params.x_block_rows > 0u) {
+  if (BLOCKED) {
     x_base += (local_row / params.x_block_rows) * params.x_block_stride;
   }
   // Positions past the tile read position 0 of the tile (always valid) and are not stored.
   let stride1 = select(0u, params.x_stride, tile > 1u) >> 2u;
   let stride2 = select(0u, 2u * params.x_stride, tile > 2u) >> 2u;
   let stride3 = select(0u, 3u * params.x_stride, tile > 3u) >> 2u;
-  let words_per_group = params.group_chunks * CODE_BITS;
+  let words_per_group = GROUP_CHUNKS * CODE_BITS;
   var acc = vec4<f32>(0.0);
-  for (var g = 0u; g < params.groups; g++) {
+  for (var g = 0u; g < GROUPS; g++) {
     var sums = vec4<f32>(0.0);
     let word0 = row * params.row_words + g * words_per_group;
-    let x0 = (x_base >> 2u) + g * params.group_chunks * 8u;
+    let x0 = (x_base >> 2u) + g * GROUP_CHUNKS * 8u;
     for (var w = 0u; w < words_per_group; w++) {
       let word = word_at(word0 + w);
       for (var q = 0u; q < QUADS; q++) {

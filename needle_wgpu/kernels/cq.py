@@ -157,8 +157,9 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
         tile = 1 if positions == 1 else 4
         if (x_stride | x_offset | x_block_stride) % 4:
             raise ValueError("cq_matmul_rows reads xh as vec4: strides and offsets must be multiples of 4")
-        key = KernelKey("cq_matmul_rows", consts=(("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]),
-                                                   ("TT", tile)))
+        key = KernelKey("cq_matmul_rows", consts=(
+            ("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]), ("TT", tile),
+            ("GROUPS", pack.groups), ("GROUP_CHUNKS", pack.group // 32), ("BLOCKED", x_block_rows > 0)))
         rows_per_group = 64
     else:
         tile = tile or (1 if positions == 1 else 8)
