@@ -3,11 +3,11 @@
 // Same product and parameters as cq_matmul.wgsl, shaped for CPU back ends (lavapipe,
 // SwiftShader), which run a workgroup on one thread and vectorise across invocations: no
 // workgroup memory, no barriers, vec4 loads, and code -> level mapping with vector selects
-// instead of table gathers. Each invocation computes one row for TT (1 or 4) positions, decoding
+// instead of table gathers. Each invocation computes one row for TT (1, 4 or 8) positions, decoding
 // every code word once for all of them. 2- and 4-bit codes (and ternary crumbs); 3-bit files
 // use cq_matmul.wgsl.
 //
-// Constants: CODE_BITS (2 or 4), LEVEL_BASE, TT (1 or 4), GROUPS (groups per row), GROUP_CHUNKS
+// Constants: CODE_BITS (2 or 4), LEVEL_BASE, TT (1, 4 or 8), GROUPS (groups per row), GROUP_CHUNKS
 // (32-code chunks per group), BLOCKED (rows read per-block inputs). Loop bounds and branches
 // are constants, never uniform values: lavapipe recompiles a shader at every dispatch whose
 // control flow depends on uniform values alone.
@@ -93,13 +93,20 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     x_base += (local_row / params.x_block_rows) * params.x_block_stride;
   }
   // Positions past the tile read position 0 of the tile (always valid) and are not stored.
-  let stride1 = select(0u, params.x_stride, tile > 1u) >> 2u;
-  let stride2 = select(0u, 2u * params.x_stride, tile > 2u) >> 2u;
-  let stride3 = select(0u, 3u * params.x_stride, tile > 3u) >> 2u;
+  let stride = params.x_stride >> 2u;
+  let s1 = select(0u, stride, tile > 1u);
+  let s2 = select(0u, 2u * stride, tile > 2u);
+  let s3 = select(0u, 3u * stride, tile > 3u);
+  let s4 = select(0u, 4u * stride, tile > 4u);
+  let s5 = select(0u, 5u * stride, tile > 5u);
+  let s6 = select(0u, 6u * stride, tile > 6u);
+  let s7 = select(0u, 7u * stride, tile > 7u);
   let words_per_group = GROUP_CHUNKS * CODE_BITS;
   var acc = vec4<f32>(0.0);
+  var acc_hi = vec4<f32>(0.0);  // positions 4..7 when TT = 8
   for (var g = 0u; g < GROUPS; g++) {
     var sums = vec4<f32>(0.0);
+    var sums_hi = vec4<f32>(0.0);
     let word0 = row * params.row_words + g * words_per_group;
     let x0 = (x_base >> 2u) + g * GROUP_CHUNKS * 8u;
     for (var w = 0u; w < words_per_group; w++) {
@@ -110,16 +117,26 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         if (TT == 1u) {
           sums.x += dot(level, xh[xi]);
         } else {
-          sums += vec4<f32>(dot(level, xh[xi]), dot(level, xh[xi + stride1]), dot(level, xh[xi + stride2]),
-                            dot(level, xh[xi + stride3]));
+          sums += vec4<f32>(dot(level, xh[xi]), dot(level, xh[xi + s1]), dot(level, xh[xi + s2]),
+                            dot(level, xh[xi + s3]));
+          if (TT == 8u) {
+            sums_hi += vec4<f32>(dot(level, xh[xi + s4]), dot(level, xh[xi + s5]), dot(level, xh[xi + s6]),
+                                 dot(level, xh[xi + s7]));
+          }
         }
       }
     }
-    acc += norm_of(row, g) * sums;
+    let norm = norm_of(row, g);
+    acc += norm * sums;
+    acc_hi += norm * sums_hi;
   }
   let out = params.y_offset + t0 * params.y_stride + local_row;
   y[out] = acc.x;
   if (tile > 1u) { y[out + params.y_stride] = acc.y; }
   if (tile > 2u) { y[out + 2u * params.y_stride] = acc.z; }
   if (tile > 3u) { y[out + 3u * params.y_stride] = acc.w; }
+  if (tile > 4u) { y[out + 4u * params.y_stride] = acc_hi.x; }
+  if (tile > 5u) { y[out + 5u * params.y_stride] = acc_hi.y; }
+  if (tile > 6u) { y[out + 6u * params.y_stride] = acc_hi.z; }
+  if (tile > 7u) { y[out + 7u * params.y_stride] = acc_hi.w; }
 }

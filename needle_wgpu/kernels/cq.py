@@ -17,6 +17,7 @@ from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
 LEVEL_BASE = {2: 0, 3: 16, 4: 32, TERNARY: 48}
 CODE_BITS = {2: 2, 3: 3, 4: 4, TERNARY: 2}
 MATMUL_ROWS = 8
+ROWWISE_TILE = 8  # positions per invocation of cq_matmul_rows in prefill
 
 
 def levels_bytes(cact: CactFile) -> bytes:
@@ -154,7 +155,7 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
     # CPU adapters get the barrier-free row-per-invocation variant (cq_matmul_rows.wgsl).
     rowwise = plan.device.software_rasterizer and code_bits != 3
     if rowwise:
-        tile = 1 if positions == 1 else 4
+        tile = 1 if positions == 1 else ROWWISE_TILE
         if (x_stride | x_offset | x_block_stride) % 4:
             raise ValueError("cq_matmul_rows reads xh as vec4: strides and offsets must be multiples of 4")
         key = KernelKey("cq_matmul_rows", consts=(

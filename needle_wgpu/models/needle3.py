@@ -140,16 +140,20 @@ class Needle3Session:
         self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8, chunk=T) for i in range(g.num_layers)]
 
     # ------------------------------------------------------------------ plans
-    def _plan(self, positions: int, sample: Sampling | None):
-        key = (positions, sample)
+    def _plan(self, positions: int, sample: Sampling | None, every_position: bool = False):
+        key = (positions, sample, every_position)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._build(positions, sample)
+            plan = self._build(positions, sample, every_position)
             self._plans[key] = plan
         return plan
 
-    def _build(self, T: int, sample: Sampling | None):
-        """The forward of one chunk of T positions as a list of dispatches (docs/gpu-layout.md)."""
+    def _build(self, T: int, sample: Sampling | None, every_position: bool):
+        """The forward of one chunk of T positions as a list of dispatches (docs/gpu-layout.md).
+
+        The tied head (8192 rows shipped) is applied to the chunk's last position only, unless
+        ``every_position`` asks for the logits of all of them (tests, analysis).
+        """
         m, g, dev = self.model, self.model.geometry, self.device
         G, d, n = m.group, g.d_model, g.mhc_lanes
         arena = UniformArena(dev, capacity=1 << 17, label=f"uniforms.T{T}")
@@ -199,14 +203,15 @@ class Needle3Session:
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
                              positions=T, group=G)
-        cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=T, x_stride=d_pad,
-                  y_stride=g.head_rows, rows=g.head_rows)
+        scored = T if every_position else 1
+        cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=scored, x_stride=d_pad,
+                  x_offset=(T - scored) * d_pad, y_stride=g.head_rows, rows=g.head_rows)
         if cells is not None:
             self._build_probe_pool(plan, arena, T)
         if dev.pipeline_count != compiled:
             m.report("compile", g.num_layers, g.num_layers)
         if sample is not None:
-            sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(T - 1) * g.head_rows,
+            sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=sample)
         return plan
@@ -237,14 +242,14 @@ class Needle3Session:
         if self._closed:
             raise NeedleError("this session is closed")
 
-    def _run_chunk(self, ids: list, sample: Sampling | None) -> None:
+    def _run_chunk(self, ids: list, sample: Sampling | None, every_position: bool = False) -> None:
         T = len(ids)
         if self.position + T > self.context:
             raise ContextFullError(f"context of {self.context} positions is full")
         dev = self.device
         dev.write(self.tokens, struct.pack(f"<{T}I", *ids), 4 * self.position)
         dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
-        dev.run(self._plan(T, sample))
+        dev.run(self._plan(T, sample, every_position))
         self.position += T
 
     def prefill(self, ids: list, sampling: Sampling | None = None):
@@ -281,7 +286,7 @@ class Needle3Session:
         out = []
         for start in range(0, len(ids), self.chunk):
             part = ids[start : start + self.chunk]
-            self._run_chunk(part, None)
+            self._run_chunk(part, None, every_position=True)
             data = self.device.read(self.logits, 4 * rows * len(part))
             values = struct.unpack(f"<{rows * len(part)}f", data)
             out += [list(values[t * rows : (t + 1) * rows]) for t in range(len(part))]
