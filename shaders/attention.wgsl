@@ -20,7 +20,9 @@
 // [slots][KV][vd] at v_at as f32 bits; int8 mode rows of k_row / v_row words holding 4 signed
 // bytes each (element e in byte e % 4) and f32 scales [slots][KV] at k_scale_at / v_scale_at.
 //
-// Constants: INT8 (bool), VCOLS (power of two >= vd, <= 256).
+// Constants: INT8 (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW (words per int8 K
+// row). Loop bounds are constants: lavapipe recompiles a shader at every dispatch whose control
+// flow depends on uniform values alone.
 
 struct Params {
   heads: u32,
@@ -76,11 +78,11 @@ fn byte_at(word: u32, e: u32) -> f32 {
 }
 
 fn score(row: u32) -> f32 {
-  let qk = params.qk_dim;
+  let qk = QK_DIM;
   var dot = 0.0;
   if (INT8) {
     let base = params.k_at + row * params.k_row;
-    for (var w = 0u; w < params.k_row; w++) {
+    for (var w = 0u; w < K_ROW; w++) {
       let word = cache[base + w];
       let e = 4u * w;
       for (var b = 0u; b < 4u; b++) {
@@ -128,7 +130,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
   let hq = wg.x;
   let t = wg.y;
   let p = chunk.pos0 + t;
-  let qk = params.qk_dim;
+  let qk = QK_DIM;
   let vd = params.v_dim;
   let kv = hq / (params.heads / params.kv_heads);
   var lo = 0u;

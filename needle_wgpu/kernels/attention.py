@@ -215,5 +215,6 @@ def attention(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometr
                        q_stride or g.q_dim, qkvg_stride or width + g.attn_out, width, o_stride or g.attn_out,
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
                        _f32(1.0 / math.sqrt(g.qk_head_dim)), 0, 0, 0)
-    key = KernelKey("attention", consts=(("INT8", int8), ("VCOLS", vcols)))
+    key = KernelKey("attention", consts=(("INT8", int8), ("VCOLS", vcols), ("QK_DIM", g.qk_head_dim),
+                                          ("K_ROW", cache.k_row)))
     plan.add(key, [params, step, q, cache.buffer, qkvg, o], (g.num_heads, positions), label=f"attention {layer}")
