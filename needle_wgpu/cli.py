@@ -165,6 +165,9 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed early (e.g. piped into head): not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import NeedleError
+from .errors import InputError, NeedleError
 from .formats import cact
 from .formats.tokenizer import Tokenizer
 from .prompt import Completion, parse_completion, prompt_ids
@@ -64,9 +64,11 @@ class Needle3:
     def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
         """Token ids of a request: explicit ids, a tool-calling prompt (query + tools), or free text."""
         if ids is not None:
-            return list(ids)
+            return _id_list(ids)
         tokenizer = self._need_tokenizer()
         if query is not None or tools is not None:
+            if system is not None and not isinstance(system, str):
+                system = str(system)
             return prompt_ids(tokenizer, query or "", tools=tools, system=system)
         if prompt is None or prompt == "":
             return []
@@ -84,11 +86,10 @@ class Needle3:
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end."""
         g = self.geometry
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
-        request, changed = saturate_ids(request)
-        clamped = sum(1 for i in request if i >= g.vocab) + changed
+        request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
         stops = self._stop_ids()
-        stop_strings = [s for s in ([stop] if isinstance(stop, str) else list(stop or ())) if isinstance(s, str) and s]
+        stop_strings = _stop_strings(stop)
         out = result if result is not None else GenerationResult("", [], "empty", len(request))
         out.prompt_tokens, out.clamped_ids = len(request), clamped
         if not request:
@@ -96,16 +97,17 @@ class Needle3:
             return
         session = self.gpu.session(context=context, kv=kv)
         try:
-            fits = request[: session.context]
-            budget = clamp_budget(max_tokens, session.context - len(fits))
-            started = time.perf_counter()
-            next_id = session.prefill(fits, sampling if budget > 0 else None)
-            first = time.perf_counter()
-            out.time_to_first_token_s = first - started
-            out.prefill_tokens_per_s = len(fits) / max(first - started, 1e-9)
-            if len(fits) < len(request) or budget == 0:
+            # prompt + completion <= context. A prompt that fills the context (or is longer),
+            # or max_tokens <= 0, leaves no room: finish "length" without running the model.
+            budget = clamp_budget(max_tokens, session.context - len(request))
+            if budget == 0:
                 out.finish_reason = "length"
                 return
+            started = time.perf_counter()
+            next_id = session.prefill(request, sampling)
+            first = time.perf_counter()
+            out.time_to_first_token_s = first - started
+            out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
             decoder = self.tokenizer.stream_decoder(at_text_start=False) if self.tokenizer else None
             text = ""
             produced = 0
@@ -161,7 +163,7 @@ class Needle3:
         if ids is None:
             tokenizer = self._need_tokenizer()
             ids = [tokenizer.bos_id] + tokenizer.encode(str(prompt or "") + str(completion or ""))
-        request, _ = saturate_ids(ids)
+        request, _ = saturate_ids(_id_list(ids))
         if not request:
             return 0.5
         session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True)
@@ -174,7 +176,7 @@ class Needle3:
 
     def logits(self, ids, kv="f32", context=None):
         """Logits of every position as a list of float lists (rows = head_rows); [] when empty."""
-        request, _ = saturate_ids(ids)
+        request, _ = saturate_ids(_id_list(ids))
         if not request:
             return []
         session = self.gpu.session(context=context, kv=kv)
@@ -182,3 +184,23 @@ class Needle3:
             return session.all_logits(request[: session.context])
         finally:
             session.close()
+
+
+def _id_list(ids) -> list:
+    """A caller's token ids as a list; each item is saturated later (``sampling.as_u32``)."""
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}")
+    try:
+        return list(ids)
+    except TypeError:
+        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}") from None
+
+
+def _stop_strings(stop) -> list:
+    """Stop strings: one str or an iterable of them; empty and non-str items are ignored."""
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return [s for s in list(stop or ()) if isinstance(s, str) and s]
+    except TypeError:
+        raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None

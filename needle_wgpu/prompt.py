@@ -73,7 +73,7 @@ def build_prompt(query: str, tools=None, system: str | None = None) -> str:
     As upstream renders its training examples, ``system`` is stripped and the system turn is
     left out when it is empty.
     """
-    system = (system or "").strip()
+    system = ("" if system is None else str(system)).strip()
     prefix = f"{IM_START}system\n{system}{IM_END}\n" if system else ""
     return (f"{prefix}{IM_START}user\n{TOOLS_START}{compact_tools_json(tools)}{TOOLS_END}\n"
             f"{query}{IM_END}\n{IM_START}assistant\n")

@@ -7,6 +7,7 @@ negative values and absurd sizes all have one documented meaning.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 U32_MAX = 0xFFFFFFFF
@@ -15,11 +16,16 @@ MIN_TOP_P = 1e-6
 
 
 def _number(value, default: float) -> float:
+    """``float(value)``; an integer too large for a float is ±inf, anything else -> default."""
     try:
-        value = float(value)
-    except (TypeError, ValueError, OverflowError):
+        return float(value)
+    except OverflowError:
+        try:
+            return math.inf if value > 0 else -math.inf
+        except Exception:  # an exotic type whose comparison fails too
+            return default
+    except (TypeError, ValueError):
         return default
-    return value
 
 
 @dataclass(frozen=True)
@@ -37,38 +43,59 @@ class Sampling:
 
     @classmethod
     def saturate(cls, temperature=0.0, top_k=0, top_p=1.0, seed=0, vocab: int = U32_MAX) -> "Sampling":
-        """temperature: NaN or <= 0 -> 0 (greedy), +inf -> 100; top_k: NaN or <= 0 -> 0 (off),
-        above the vocabulary -> the vocabulary; top_p: NaN or >= 1 -> 1 (off), <= 0 -> 1e-6
-        (only the most likely token); seed: reduced modulo 2^32 (NaN -> 0)."""
+        """temperature: NaN or <= 0 -> 0 (greedy), above 100 (or +inf) -> 100; top_k: NaN or
+        <= 0 -> 0 (off), above the vocabulary -> the vocabulary, fractions truncate; top_p: NaN
+        or >= 1 -> 1 (off), <= 0 -> 1e-6 (only the most likely token); seed: integers reduced
+        modulo 2^32, other numbers truncated first, NaN or ±inf -> 0. A value ``float()``
+        cannot read (None, "abc", a list) takes the default in the signature."""
         t = _number(temperature, 0.0)
         t = 0.0 if (math.isnan(t) or t <= 0.0) else min(t, MAX_TEMPERATURE)
         k = _number(top_k, 0.0)
         k = 0 if (math.isnan(k) or k <= 0) else int(min(k, vocab))
         p = _number(top_p, 1.0)
         p = 1.0 if (math.isnan(p) or p >= 1.0) else max(p, MIN_TOP_P)
-        s = _number(seed, 0.0)
-        s = 0 if (math.isnan(s) or math.isinf(s)) else int(s) & U32_MAX
+        if isinstance(seed, numbers.Integral):
+            s = int(seed) & U32_MAX
+        else:
+            s = _number(seed, 0.0)
+            s = 0 if (math.isnan(s) or math.isinf(s)) else int(s) & U32_MAX
         return cls(t, k, p, s)
 
 
-def saturate_ids(ids) -> tuple:
-    """Token ids as u32 (spec §0 item 1): negative -> 0, above 2^32 - 1 -> 2^32 - 1, non-integers
-    (NaN, strings) -> 0. Returns (ids, number of ids that had to be changed)."""
+def as_u32(value) -> tuple:
+    """One token id as a u32 (spec §0 item 1): (id, whether it had to be changed).
+
+    Integers (int, bool, NumPy integers) and integral reals (``7.0``) keep their value, clamped
+    to [0, 2^32 - 1]; everything else (``7.5``, NaN, infinities, strings, None) becomes 0.
+    """
+    if type(value) is not int:
+        if isinstance(value, numbers.Integral):
+            value = int(value)
+        elif isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+            value = int(value)
+        else:
+            return 0, True
+    if 0 <= value <= U32_MAX:
+        return value, False
+    return (0 if value < 0 else U32_MAX), True
+
+
+def saturate_ids(ids, vocab: int | None = None) -> tuple:
+    """Token ids as u32 (see ``as_u32``). Returns (ids, how many were changed); with ``vocab``,
+    ids at or above it count too (the embedding lookup clamps them), each id at most once."""
     out, changed = [], 0
+    limit = U32_MAX + 1 if vocab is None else vocab
     for value in ids:
-        try:
-            v = int(value)
-        except (TypeError, ValueError, OverflowError):
-            v = -1
-        w = min(max(v, 0), U32_MAX)
-        changed += w != value
-        out.append(w)
+        v, was_changed = as_u32(value)
+        changed += was_changed or v >= limit
+        out.append(v)
     return out, changed
 
 
 def clamp_budget(max_tokens, remaining: int) -> int:
-    """max_tokens clamps to [0, remaining context]; NaN or garbage -> 0."""
+    """max_tokens clamps to [0, remaining context]; NaN or garbage -> 0; a negative remaining
+    context (a prompt longer than the context) -> 0."""
     value = _number(max_tokens, 0.0)
-    if math.isnan(value) or value <= 0:
+    if math.isnan(value) or value <= 0 or remaining <= 0:
         return 0
     return int(min(value, remaining))

@@ -8,6 +8,7 @@ proportion to a number read from the file, only to the file's own size.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -254,14 +255,22 @@ def read_header(data: memoryview) -> tuple:
 
 def load(source) -> CactFile:
     """Validate and open a container from a path, bytes, bytearray or memoryview."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = memoryview(source).cast("B") if isinstance(source, memoryview) else memoryview(source)
-    else:
+    if isinstance(source, (str, os.PathLike)):
         try:
             with open(source, "rb") as f:
                 data = memoryview(f.read())
-        except OSError as exc:
-            raise ContainerError(f"file {source!s}: cannot read ({exc.strerror or exc})") from None
+        except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
+            raise ContainerError(f"file {source!s}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    else:
+        # Bytes or any buffer (memoryview, NumPy array). Not open(): an int is a file descriptor.
+        try:
+            data = memoryview(source)
+        except TypeError:
+            raise ContainerError(f"expected a path or bytes, got {type(source).__name__}") from None
+        if not data.c_contiguous:  # a strided view: take a compact copy of its bytes
+            data = memoryview(data.tobytes())
+        elif data.format != "B" or data.ndim != 1:
+            data = data.cast("B")
     return parse(data)
 
 

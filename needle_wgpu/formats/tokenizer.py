@@ -248,8 +248,10 @@ class Tokenizer:
         """Token ids of ``text`` per the §8 reference encoder (no BOS; see ``prompt_ids``).
 
         Never raises for any ``str``; a lone surrogate takes the byte fallback of its
-        surrogate-pass bytes and decodes as U+FFFD.
+        surrogate-pass bytes and decodes as U+FFFD. Anything but a ``str`` raises InputError.
         """
+        if not isinstance(text, str):
+            raise InputError(f"encode takes a str, got {type(text).__name__}")
         if not text:
             return []
         escaped = text.replace(" ", SPACE)
@@ -322,9 +324,13 @@ class Tokenizer:
         """The bytes one id contributes to decoded text (before '▁' becomes ' ').
 
         BYTE pieces give their byte, CONTROL and UNKNOWN give nothing (§8), and ids outside
-        the vocabulary (including negative ones) give nothing too: decoding never raises.
+        the vocabulary (including negative ones) and non-integers give nothing too: decoding
+        never raises.
         """
-        token_id = operator.index(token_id)
+        try:
+            token_id = operator.index(token_id)
+        except TypeError:
+            return b""
         if 0 <= token_id < len(self._piece_bytes):
             return self._piece_bytes[token_id]
         return b""
@@ -337,7 +343,12 @@ class Tokenizer:
         """Text of ``ids`` (§8): consecutive byte pieces are assembled before UTF-8 decoding
         (invalid sequences become U+FFFD), '▁' becomes ' ', and with ``add_dummy_prefix`` the
         one leading space the encoder added is removed. Out-of-range ids are skipped."""
-        raw = b"".join(self.piece_bytes(i) for i in ids)
+        if isinstance(ids, (str, bytes, bytearray)):
+            raise InputError(f"decode takes a sequence of ids, got {type(ids).__name__}")
+        try:
+            raw = b"".join(self.piece_bytes(i) for i in ids)
+        except TypeError:  # not iterable (piece_bytes itself never raises)
+            raise InputError(f"decode takes a sequence of ids, got {type(ids).__name__}") from None
         text = raw.decode("utf-8", "replace").replace(SPACE, " ")
         if self.add_dummy_prefix and text.startswith(" "):
             text = text[1:]

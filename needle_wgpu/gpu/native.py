@@ -21,7 +21,7 @@ def _translate(exc: Exception, what: str) -> DeviceError:
     lowered = text.lower()
     if "lost" in lowered or "destroyed" in lowered or "invalid device" in lowered:
         return DeviceLostError(text)
-    if "out of memory" in lowered or "outofmemory" in lowered:
+    if "out of memory" in lowered or "outofmemory" in lowered or "OutOfMemory" in type(exc).__name__:
         return OutOfMemoryError(text)
     return DeviceError(text)
 
@@ -72,25 +72,36 @@ class NativeDevice(Device):
 
     def _guard(self, what):
         if self.lost:
-            raise DeviceLostError(f"{what}: the GPU device was lost or destroyed; create a new session")
+            raise DeviceLostError(f"{what}: the GPU device was lost or destroyed; "
+                                  "open a new device and load the model again")
+
+    def _failed(self, exc: Exception, what: str) -> DeviceError:
+        """The NeedleError for a wgpu exception; after a loss every later call fails fast."""
+        error = _translate(exc, what)
+        if isinstance(error, DeviceLostError):
+            self.lost = True
+        return error
 
     def _create_buffer(self, size, usage, label):
         self._guard(label)
         try:
             return self._device.create_buffer(size=size, usage=self._usage[usage], label=label)
         except Exception as exc:
-            raise _translate(exc, f"allocating {label} ({size} bytes)") from None
+            raise self._failed(exc, f"allocating {label} ({size} bytes)") from None
 
     def _write(self, handle, data, offset):
         self._guard("write")
-        self._device.queue.write_buffer(handle, offset, data)
+        try:
+            self._device.queue.write_buffer(handle, offset, data)
+        except Exception as exc:
+            raise self._failed(exc, "writing") from None
 
     def _read(self, handle, offset, size):
         self._guard("read")
         try:
             return bytes(self._device.queue.read_buffer(handle, offset, size))
         except Exception as exc:
-            raise _translate(exc, "reading back") from None
+            raise self._failed(exc, "reading back") from None
 
     def _create_pipeline(self, source, entry, label):
         self._guard(label)
@@ -99,16 +110,17 @@ class NativeDevice(Device):
             return self._device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": entry}, label=label)
         except Exception as exc:
-            raise _translate(exc, f"compiling {label}") from None
+            raise self._failed(exc, f"compiling {label}") from None
 
     def _create_bind_group(self, pipeline, bindings):
-        layout = pipeline.get_bind_group_layout(0)
+        self._guard("bind group")
         entries = [{"binding": i, "resource": {"buffer": b.buffer.handle, "offset": b.offset, "size": b.size}}
                    for i, b in enumerate(bindings)]
         try:
+            layout = pipeline.get_bind_group_layout(0)
             return self._device.create_bind_group(layout=layout, entries=entries)
         except Exception as exc:
-            raise _translate(exc, "creating a bind group") from None
+            raise self._failed(exc, "creating a bind group") from None
 
     def _submit(self, dispatches, copies):
         self._guard("submit")
@@ -125,7 +137,7 @@ class NativeDevice(Device):
                 encoder.copy_buffer_to_buffer(source.handle, src_offset, target.handle, dst_offset, size)
             self._device.queue.submit([encoder.finish()])
         except Exception as exc:
-            raise _translate(exc, "submitting work") from None
+            raise self._failed(exc, "submitting work") from None
 
     def destroy(self) -> None:
         """Destroy the device (also how tests simulate a device loss)."""
