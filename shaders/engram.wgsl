@@ -54,12 +54,7 @@ struct ConvParams {
   taps_at: array<vec4<u32>, 4>,  // half offset of each site's taps [taps][d], 4 per vec4
 }
 
-struct Step {
-  pos0: u32,
-  _a: u32,
-  _b: u32,
-  _c: u32,
-}
+//#include step.wgsl
 
 @group(0) @binding(0) var<uniform> params: FetchParams;
 @group(0) @binding(0) var<uniform> conv_params: ConvParams;

@@ -28,12 +28,7 @@ struct Params {
   seed: u32,
 }
 
-struct Step {
-  pos0: u32,
-  _a: u32,
-  _b: u32,
-  _c: u32,
-}
+//#include step.wgsl
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> chunk: Step;
