@@ -112,12 +112,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_synth(args) -> int:
-    from .synth import synth_main
-
-    return synth_main(args.rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="needle-wgpu", description="WebGPU inference for Needle 3")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,13 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench.json")
     bench.set_defaults(run=cmd_bench)
 
-    synth = sub.add_parser("synth", help="write a seeded synthetic Needle 3 model", add_help=False)
-    synth.add_argument("rest", nargs=argparse.REMAINDER)
-    synth.set_defaults(run=cmd_synth)
+    sub.add_parser("synth", help="write a seeded synthetic Needle 3 model (synth --help)")
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["synth"]:  # synth has its own parser (needle_wgpu.synth.synth_main)
+        from .synth import synth_main
+
+        return synth_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
