@@ -20,9 +20,17 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
 fi
 
-python3 -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+if ! python3 -m pip --version >/dev/null 2>&1; then
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-pip >/dev/null
+fi
+# Debian's own Python refuses pip installs outside a venv (PEP 668): retry with its opt-out.
+pip_install() {
+  python3 -m pip install -q --disable-pip-version-check "$@" 2>/dev/null ||
+    python3 -m pip install -q --disable-pip-version-check --break-system-packages "$@"
+}
 if [ "$dev" = 1 ]; then
-  python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+  pip_install -e ".[dev]"
 else
-  python3 -m pip install -q --disable-pip-version-check -e .
+  pip_install -e .
 fi
