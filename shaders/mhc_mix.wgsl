@@ -60,15 +60,12 @@ const D_PAD: u32 = (WIDTH + GROUP - 1u) / GROUP * GROUP;  // pad(d): floats per 
 const CHANNEL_SLOTS: u32 = WIDTH / 4u;
 const PER_THREAD: u32 = (D_PAD / 4u + THREADS - 1u) / THREADS;
 const HMIX: u32 = LANES + LANES * LANES;
-const SUM_ROWS: u32 = 16u;  // workgroup_sum: THREADS = SUM_ROWS²
 
 var<workgroup> fwht_buf: array<f32, D_PAD>;
 var<workgroup> hpre: array<f32, LANES>;
-var<workgroup> sum_in: array<vec4<f32>, THREADS>;
-var<workgroup> sum_rows: array<vec4<f32>, SUM_ROWS>;
-var<workgroup> sum_total: vec4<f32>;
 
 //#include fp16.wgsl
+//#include workgroup_sum.wgsl
 //#include fwht.wgsl
 
 // The four halves at an even half offset: two words, no per-element select.
@@ -100,31 +97,6 @@ fn sigmoid(x: f32) -> f32 {
   return 1.0 / (1.0 + exp(-x));
 }
 
-// Component-wise sum of one vec4 per invocation; every invocation gets the same total. SUM_ROWS
-// invocations add a row of SUM_ROWS values each, then one adds the rows: three barriers, where a
-// tree needs log2(THREADS). A second call may follow at once: its stores come before barriers that
-// every invocation reaches only after reading this total.
-fn workgroup_sum(lid: u32, value: vec4<f32>) -> vec4<f32> {
-  sum_in[lid] = value;
-  workgroupBarrier();
-  if (lid < SUM_ROWS) {
-    var row = sum_in[lid * SUM_ROWS];
-    for (var m = 1u; m < SUM_ROWS; m++) {
-      row += sum_in[lid * SUM_ROWS + m];
-    }
-    sum_rows[lid] = row;
-  }
-  workgroupBarrier();
-  if (lid == 0u) {
-    var total = sum_rows[0];
-    for (var m = 1u; m < SUM_ROWS; m++) {
-      total += sum_rows[m];
-    }
-    sum_total = total;
-  }
-  workgroupBarrier();
-  return sum_total;
-}
 
 // One Sinkhorn half-step on the n x n logits in registers: normalise line `line` (stride `along`
 // inside the line, `across` between lines): rows are (1, n), columns (n, 1).

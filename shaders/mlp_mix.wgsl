@@ -66,14 +66,11 @@ const PER_THREAD: u32 = (SLOTS + THREADS - 1u) / THREADS;
 const TILES: u32 = HADA_N / 16u;                  // 4 x 4 output tiles of one Kronecker pass
 const RANK_SLOTS: u32 = (RANK + 3u) / 4u;
 const HMIX: u32 = LANES + LANES * LANES;
-const SUM_ROWS: u32 = 16u;                        // workgroup_sum: THREADS = SUM_ROWS²
 
 var<workgroup> work: array<vec4<f32>, 2u * SLOTS>;
-var<workgroup> sum_in: array<vec4<f32>, THREADS>;
-var<workgroup> sum_rows: array<vec4<f32>, SUM_ROWS>;
-var<workgroup> sum_total: vec4<f32>;
 
 //#include fp16.wgsl
+//#include workgroup_sum.wgsl
 
 // The four halves at an even half offset: two words, no per-element select.
 fn half4_at(index: u32) -> vec4<f32> {
@@ -109,31 +106,6 @@ fn sigmoid(x: vec4<f32>) -> vec4<f32> {
   return 1.0 / (1.0 + exp(-x));
 }
 
-// Component-wise sum of one vec4 per invocation; every invocation gets the same total. SUM_ROWS
-// invocations add a row of SUM_ROWS values each, then one adds the rows: three barriers, where a
-// tree needs log2(THREADS). A second call may follow at once: its stores come before barriers that
-// every invocation reaches only after reading this total.
-fn workgroup_sum(lid: u32, value: vec4<f32>) -> vec4<f32> {
-  sum_in[lid] = value;
-  workgroupBarrier();
-  if (lid < SUM_ROWS) {
-    var row = sum_in[lid * SUM_ROWS];
-    for (var m = 1u; m < SUM_ROWS; m++) {
-      row += sum_in[lid * SUM_ROWS + m];
-    }
-    sum_rows[lid] = row;
-  }
-  workgroupBarrier();
-  if (lid == 0u) {
-    var total = sum_rows[0];
-    for (var m = 1u; m < SUM_ROWS; m++) {
-      total += sum_rows[m];
-    }
-    sum_total = total;
-  }
-  workgroupBarrier();
-  return sum_total;
-}
 
 // work slots [src, src + SLOTS) <- Kron(them; A, B) (§4.6), slots [tmp, tmp + SLOTS) as scratch.
 // Each invocation computes 4 x 4 outputs, reading A or B four halves (two words) at a time.
