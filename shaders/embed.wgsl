@@ -45,23 +45,7 @@ var<workgroup> row_id: u32;
 
 //#include fwht.wgsl
 
-// Code k of slice row `row`: an LSB-first bitstream read as u32 words (§5.2).
-fn code_at(row: u32, k: u32) -> u32 {
-  let bit = k * CODE_BITS;
-  let at = row * params.row_words + (bit >> 5u);
-  let shift = bit & 31u;
-  var field = weights[at] >> shift;
-  if (shift + CODE_BITS > 32u) {
-    field |= weights[at + 1u] << (32u - shift);
-  }
-  return field & (LEVEL_COUNT - 1u);
-}
-
-fn norm_at(row: u32, group: u32) -> f32 {
-  let index = row * params.groups + group;
-  let pair = unpack2x16float(weights[params.norm_base + (index >> 1u)]);
-  return select(pair.x, pair.y, (index & 1u) == 1u);
-}
+//#include cq_row.wgsl
 
 // Dequantises the clamped row of position t into fwht_buf; false (for the whole workgroup)
 // when another slice holds that row.

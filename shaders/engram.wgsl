@@ -25,7 +25,7 @@ struct FetchParams {
   sub_dim: u32,
   row_pad: u32,       // a table row's in_pad (sub_dim padded to the group, §0 item 4)
   row_words: u32,     // u32 words of codes per table row
-  row_groups: u32,    // groups per table row
+  groups: u32,        // groups per table row
   norm_base: u32,     // word index of the first FP16 norm pair
   slots: u32,         // rows per table
   heads: u32,         // tables per order (H)
@@ -104,22 +104,7 @@ fn table_valid(p: u32, tb: u32) -> bool {
   return p + 1u >= params.orders[tb / params.heads];
 }
 
-fn code_at(row: u32, k: u32) -> u32 {
-  let bit = k * CODE_BITS;
-  let at = row * params.row_words + (bit >> 5u);
-  let shift = bit & 31u;
-  var field = weights[at] >> shift;
-  if (shift + CODE_BITS > 32u) {
-    field |= weights[at + 1u] << (32u - shift);
-  }
-  return field & (LEVEL_COUNT - 1u);
-}
-
-fn norm_at(row: u32, group: u32) -> f32 {
-  let index = row * params.row_groups + group;
-  let pair = unpack2x16float(weights[params.norm_base + (index >> 1u)]);
-  return select(pair.x, pair.y, (index & 1u) == 1u);
-}
+//#include cq_row.wgsl
 
 @compute @workgroup_size(256)
 fn fetch(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
