@@ -4,9 +4,7 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 
 from __future__ import annotations
 
-import struct
-
-from ..errors import ContextFullError, NeedleError, UnsupportedModelError
+from ..errors import NeedleError, UnsupportedModelError
 from ..formats.cact import CactFile
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
@@ -14,7 +12,7 @@ from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_o
 from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
-from ..sampling import Sampling
+from .session import ChunkedSession, PlanKey
 
 PREFILL_CHUNK = 64
 F32 = 4
@@ -74,7 +72,7 @@ def _pad(width: int, group: int) -> int:
     return (width + group - 1) // group * group
 
 
-class Needle3Session:
+class Needle3Session(ChunkedSession):
     """One conversation: the KV cache and scratch for a fixed context, and cached plans.
 
     The context is fixed at creation (default: the model's max_seq_len), so every buffer and
@@ -83,17 +81,10 @@ class Needle3Session:
 
     def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False):
         g = model.geometry
-        self.model, self.device = model, model.device
-        limit = g.max_seq_len
-        try:
-            context = int(context) if context is not None else limit
-        except (TypeError, ValueError, OverflowError):
-            context = limit
-        self.context = max(1, min(context, limit))
+        self.model = model
+        self._open(model.device, context, g.max_seq_len)
+        self.logit_rows = g.head_rows
         self.int8 = str(kv).lower() == "int8"
-        self.position = 0
-        self._plans: dict = {}
-        self._closed = False
         dev = self.device
         G = model.group
         sites = len(g.engram_sites)
@@ -103,9 +94,6 @@ class Needle3Session:
                          g.q_dim + g.k_dim + g.v_dim + g.attn_out)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
-        self.step_uniform = dev.buffer(16, label="step", usage="uniform", kind="session")
-        self.tokens = dev.buffer(4 * (self.context + 1), label="tokens", kind="session")
-        self.result = dev.buffer(16, label="sampled", kind="session")
         s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
         self.lanes = s(g.mhc_lanes * g.d_model, "lanes")
         self.nxh = s(_pad(g.mhc_width, G), "nxh")
@@ -140,20 +128,13 @@ class Needle3Session:
         self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8, chunk=T) for i in range(g.num_layers)]
 
     # ------------------------------------------------------------------ plans
-    def _plan(self, positions: int, sample: Sampling | None, every_position: bool = False):
-        key = (positions, sample, every_position)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._build(positions, sample, every_position)
-            self._plans[key] = plan
-        return plan
-
-    def _build(self, T: int, sample: Sampling | None, every_position: bool):
+    def _build(self, key: PlanKey) -> Plan:
         """The forward of one chunk of T positions as a list of dispatches (docs/gpu-layout.md).
 
         The tied head (8192 rows shipped) is applied to the chunk's last position only, unless
-        ``every_position`` asks for the logits of all of them (tests, analysis).
+        ``key.all_logits`` asks for the logits of all of them (tests, analysis).
         """
+        T, sample = key.positions, key.sample
         m, g, dev = self.model, self.model.geometry, self.device
         G, d, n = m.group, g.d_model, g.mhc_lanes
         arena = UniformArena(dev, capacity=1 << 17, label=f"uniforms.T{T}")
@@ -203,7 +184,7 @@ class Needle3Session:
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
                              positions=T, group=G)
-        scored = T if every_position else 1
+        scored = T if key.all_logits else 1
         cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=scored, x_stride=d_pad,
                   x_offset=(T - scored) * d_pad, y_stride=g.head_rows, rows=g.head_rows)
         if cells is not None:
@@ -236,63 +217,3 @@ class Needle3Session:
         head = self.model.confidence
         state = self.device.read(self.pool, 4 * head.probe_rows * (self.model.geometry.d_model + 2))
         return head.logit(state)
-
-    # ------------------------------------------------------------------ running
-    def _check(self):
-        if self._closed:
-            raise NeedleError("this session is closed")
-
-    def _run_chunk(self, ids: list, sample: Sampling | None, every_position: bool = False) -> None:
-        T = len(ids)
-        if self.position + T > self.context:
-            raise ContextFullError(f"context of {self.context} positions is full")
-        dev = self.device
-        dev.write(self.tokens, struct.pack(f"<{T}I", *ids), 4 * self.position)
-        dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
-        dev.run(self._plan(T, sample, every_position))
-        self.position += T
-
-    def prefill(self, ids: list, sampling: Sampling | None = None):
-        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one."""
-        self._check()
-        if not ids:
-            return None
-        for start in range(0, len(ids), self.chunk):
-            part = ids[start : start + self.chunk]
-            last = start + self.chunk >= len(ids)
-            self._run_chunk(part, sampling if last else None)
-        if sampling is None:
-            return None
-        return self._read_sampled()
-
-    def step(self, sampling: Sampling) -> int:
-        """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next."""
-        self._check()
-        if self.position >= self.context:
-            raise ContextFullError(f"context of {self.context} positions is full")
-        dev = self.device
-        dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
-        dev.run(self._plan(1, sampling))
-        self.position += 1
-        return self._read_sampled()
-
-    def _read_sampled(self) -> int:
-        return struct.unpack_from("<I", self.device.read(self.result, 4))[0]
-
-    def all_logits(self, ids: list) -> list:
-        """Logits of every position (tests and analysis): reads back each chunk's logits."""
-        self._check()
-        rows = self.model.geometry.head_rows
-        out = []
-        for start in range(0, len(ids), self.chunk):
-            part = ids[start : start + self.chunk]
-            self._run_chunk(part, None, every_position=True)
-            data = self.device.read(self.logits, 4 * rows * len(part))
-            values = struct.unpack(f"<{rows * len(part)}f", data)
-            out += [list(values[t * rows : (t + 1) * rows]) for t in range(len(part))]
-        return out
-
-    def close(self) -> None:
-        """Release the session's buffers (the device reclaims them when they are dropped)."""
-        self._closed = True
-        self._plans.clear()

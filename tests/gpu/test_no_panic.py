@@ -30,6 +30,7 @@ from needle_wgpu.errors import (DeviceLimitError, DeviceLostError, InputError, N
                                 UnsupportedModelError)
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import KernelKey, open_device
+from needle_wgpu.models.session import PlanKey
 from needle_wgpu.prompt import build_prompt, compact_tools_json, parse_completion
 from needle_wgpu.sampling import U32_MAX, Sampling, clamp_budget, saturate_ids
 from needle_wgpu.synth import synthesize
@@ -384,7 +385,7 @@ def test_device_destroyed_mid_generation(device):
     lost_device = open_device()
     model = Needle3.load(VALID, device=lost_device)
     session_before = model.gpu.session(context=8)
-    plan_before = session_before._plan(1, None)
+    plan_before = session_before._plan(PlanKey(1))
     result = GenerationResult("", [], "empty", 0)
     with pytest.raises(DeviceLostError):
         for _ in model.stream(ids=[2, 17, 300], max_tokens=5, context=8, result=result):
@@ -401,7 +402,7 @@ def test_device_destroyed_mid_generation(device):
         "read": lambda: lost_device.read(session_before.result, 4),
         "write": lambda: lost_device.write(session_before.result, b"\0" * 16),
         "run": lambda: lost_device.run(plan_before),
-        "new plan": lambda: session_before._plan(2, None),
+        "new plan": lambda: session_before._plan(PlanKey(2)),
         "pipeline": lambda: lost_device.pipeline(KernelKey("sample", consts=(("ITEMS", 7),))),
     }
     for name, call in calls.items():

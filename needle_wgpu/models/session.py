@@ -1,0 +1,128 @@
+"""The session driver every model family shares: context clamp, plan cache, chunked prefill,
+the decode step and the sampled-id readback (docs/gpu-layout.md).
+
+A family's session subclasses ``ChunkedSession``, allocates its cache and scratch for a fixed
+context and chunk length, and implements ``_build(key)``: the forward of one chunk as a
+prebuilt ``Plan``. Everything that decides *when* a plan runs lives here, once.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ..errors import ContextFullError, NeedleError
+from ..gpu.device import Device, Plan
+from ..sampling import Sampling
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a prebuilt plan depends on besides the session's buffers."""
+
+    positions: int  # the chunk length T (1 for a decode step)
+    sample: Sampling | None = None  # sample after the chunk's last position (values are baked in)
+    all_logits: bool = False  # the head over every position of the chunk, not only the last
+
+
+def clamp_context(context, limit: int) -> int:
+    """A requested context as a whole number of positions in [1, limit]; junk gives ``limit``."""
+    try:
+        context = int(context) if context is not None else limit
+    except (TypeError, ValueError, OverflowError):
+        context = limit
+    return max(1, min(context, limit))
+
+
+class ChunkedSession:
+    """One conversation's state on the GPU and the cached plans that advance it.
+
+    Subclasses set, before use: ``device``, ``context``, ``chunk`` (the longest prefill chunk),
+    ``logit_rows``, and the buffers ``step_uniform`` (16-byte uniform: pos0), ``tokens``
+    (u32 [context + 1]: ids by absolute position; the sampler writes the next id there),
+    ``result`` (the sampler's 16 bytes) and ``logits`` (f32 [chunk][logit_rows]).
+    """
+
+    device: Device
+    context: int
+    chunk: int
+    logit_rows: int
+
+    def _open(self, device: Device, context, limit: int) -> None:
+        self.device = device
+        self.context = clamp_context(context, limit)
+        self.position = 0
+        self._plans: dict = {}
+        self._closed = False
+        self.step_uniform = device.buffer(16, label="step", usage="uniform", kind="session")
+        self.tokens = device.buffer(4 * (self.context + 1), label="tokens", kind="session")
+        self.result = device.buffer(16, label="sampled", kind="session")
+
+    def _build(self, key: PlanKey) -> Plan:
+        """The family's forward of one chunk (``key.positions`` positions from pos0)."""
+        raise NotImplementedError
+
+    def _plan(self, key: PlanKey) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._build(key)
+        return plan
+
+    def _check(self) -> None:
+        if self._closed:
+            raise NeedleError("this session is closed")
+
+    def _run_chunk(self, ids: list, sample: Sampling | None, all_logits: bool = False) -> None:
+        T = len(ids)
+        if self.position + T > self.context:
+            raise ContextFullError(f"context of {self.context} positions is full")
+        dev = self.device
+        dev.write(self.tokens, struct.pack(f"<{T}I", *ids), 4 * self.position)
+        dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
+        dev.run(self._plan(PlanKey(T, sample, all_logits)))
+        self.position += T
+
+    def prefill(self, ids: list, sampling: Sampling | None = None):
+        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one."""
+        self._check()
+        if not ids:
+            return None
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start : start + self.chunk]
+            last = start + self.chunk >= len(ids)
+            self._run_chunk(part, sampling if last else None)
+        if sampling is None:
+            return None
+        return self._read_sampled()
+
+    def step(self, sampling: Sampling) -> int:
+        """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next."""
+        self._check()
+        if self.position >= self.context:
+            raise ContextFullError(f"context of {self.context} positions is full")
+        dev = self.device
+        dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
+        dev.run(self._plan(PlanKey(1, sampling)))
+        self.position += 1
+        return self._read_sampled()
+
+    def _read_sampled(self) -> int:
+        return struct.unpack_from("<I", self.device.read(self.result, 4))[0]
+
+    def all_logits(self, ids: list) -> list:
+        """Logits of every position (tests and analysis): reads back each chunk's logits."""
+        self._check()
+        rows = self.logit_rows
+        out = []
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start : start + self.chunk]
+            self._run_chunk(part, None, all_logits=True)
+            data = self.device.read(self.logits, 4 * rows * len(part))
+            values = struct.unpack(f"<{rows * len(part)}f", data)
+            out += [list(values[t * rows : (t + 1) * rows]) for t in range(len(part))]
+        return out
+
+    def close(self) -> None:
+        """Release the session's buffers (the device reclaims them when they are dropped)."""
+        self._closed = True
+        self._plans.clear()
