@@ -1,0 +1,209 @@
+"""The public surface: load a model, generate (streamed or whole), logits, tool calls, confidence.
+
+The no-panic contract (docs/api.md) is enforced here: every number is saturated
+(``sampling.py``), every structural problem is a ``NeedleError``, and a failed request leaves the
+engine usable for the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .errors import InputError, NeedleError
+from .formats import cact
+from .formats.tokenizer import Tokenizer
+from .prompt import Completion, parse_completion, prompt_ids
+from .sampling import Sampling, clamp_budget, saturate_ids
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token: its id and the text it completed (may be empty mid-character)."""
+
+    id: int
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    ids: list
+    finish_reason: str  # "eos", "stop", "length" (budget or context), "empty"
+    prompt_tokens: int
+    clamped_ids: int = 0
+    time_to_first_token_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    completion: Completion | None = None
+    timings: dict = field(default_factory=dict)
+
+
+class Needle3:
+    """A Needle 3 model on a GPU device. ``Needle3.load(path)`` opens it; sessions are per call."""
+
+    def __init__(self, gpu_model, tokenizer: Tokenizer | None):
+        self.gpu = gpu_model
+        self.geometry = gpu_model.geometry
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, source, device=None, progress=None) -> "Needle3":
+        """Load a .cact v3 file (path or bytes) onto ``device`` (default: the native device)."""
+        from .models.needle3 import Needle3Gpu
+
+        container = cact.load(source)
+        tokenizer = Tokenizer.from_blob(container.tokenizer) if container.tokenizer is not None else None
+        if device is None:
+            from .gpu import open_device
+
+            device = open_device()
+        return cls(Needle3Gpu(device, container, progress=progress), tokenizer)
+
+    # ------------------------------------------------------------------ prompts
+    def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
+        """Token ids of a request: explicit ids, a tool-calling prompt (query + tools), or free text."""
+        if ids is not None:
+            return _id_list(ids)
+        tokenizer = self._need_tokenizer()
+        if query is not None or tools is not None:
+            if system is not None and not isinstance(system, str):
+                system = str(system)
+            return prompt_ids(tokenizer, query or "", tools=tools, system=system)
+        if prompt is None or prompt == "":
+            return []
+        return [tokenizer.bos_id] + tokenizer.encode(str(prompt))
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise NeedleError("this model file has no tokenizer record: pass token ids instead of text")
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, prompt=None, *, query=None, tools=None, system=None, ids=None, max_tokens=256,
+               temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv="f32", context=None,
+               result: GenerationResult | None = None):
+        """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end."""
+        g = self.geometry
+        request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
+        request, clamped = saturate_ids(request, vocab=g.vocab)
+        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
+        stops = self._stop_ids()
+        stop_strings = _stop_strings(stop)
+        out = result if result is not None else GenerationResult("", [], "empty", len(request))
+        out.prompt_tokens, out.clamped_ids = len(request), clamped
+        if not request:
+            out.finish_reason = "empty"
+            return
+        session = self.gpu.session(context=context, kv=kv)
+        try:
+            # prompt + completion <= context. A prompt that fills the context (or is longer),
+            # or max_tokens <= 0, leaves no room: finish "length" without running the model.
+            budget = clamp_budget(max_tokens, session.context - len(request))
+            if budget == 0:
+                out.finish_reason = "length"
+                return
+            started = time.perf_counter()
+            next_id = session.prefill(request, sampling)
+            first = time.perf_counter()
+            out.time_to_first_token_s = first - started
+            out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
+            decoder = self.tokenizer.stream_decoder(at_text_start=False) if self.tokenizer else None
+            text = ""
+            produced = 0
+            out.finish_reason = "length"
+            while True:
+                if next_id in stops:
+                    out.finish_reason = "eos"
+                    break
+                out.ids.append(next_id)
+                piece = decoder.push(next_id) if decoder else ""
+                text += piece
+                produced += 1
+                yield TokenEvent(next_id, piece)
+                if any(s in text for s in stop_strings):
+                    out.finish_reason = "stop"
+                    text = text[: min(text.find(s) for s in stop_strings if s in text)]
+                    break
+                if produced >= budget or session.position >= session.context:
+                    break
+                next_id = session.step(sampling)
+            if decoder:
+                text += decoder.finish() if out.finish_reason != "stop" else ""
+            elapsed = time.perf_counter() - first
+            out.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
+            out.text = text
+        finally:
+            session.close()
+
+    def generate(self, prompt=None, **options) -> GenerationResult:
+        """Run a whole request; returns text, ids, finish reason, timing and parsed tool calls."""
+        result = GenerationResult("", [], "empty", 0)
+        for _ in self.stream(prompt, result=result, **options):
+            pass
+        if options.get("query") is not None or options.get("tools") is not None:
+            result.completion = parse_completion(result.text)
+        return result
+
+    def _stop_ids(self) -> set:
+        stops = {1}
+        if self.tokenizer is not None:
+            stops |= set(self.tokenizer.stop_ids)
+        return stops
+
+    # ------------------------------------------------------------------ analysis
+    def confidence(self, ids=None, *, prompt=None, completion=None) -> float:
+        """Probability from the confidence head (§7) for prompt + completion ids (BOS first).
+
+        Pass ``ids`` directly, or a prompt and a completion as text. Empty input -> 0.5 (no
+        evidence either way). Raises UnsupportedModelError when the file has no such head.
+        """
+        import math
+
+        if ids is None:
+            tokenizer = self._need_tokenizer()
+            ids = [tokenizer.bos_id] + tokenizer.encode(str(prompt or "") + str(completion or ""))
+        request, _ = saturate_ids(_id_list(ids))
+        if not request:
+            return 0.5
+        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True)
+        try:
+            logit = session.confidence_logit(request[: session.context])
+        finally:
+            session.close()
+        return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
+
+
+    def logits(self, ids, kv="f32", context=None):
+        """Logits of every position as a list of float lists (rows = head_rows); [] when empty."""
+        request, _ = saturate_ids(_id_list(ids))
+        if not request:
+            return []
+        session = self.gpu.session(context=context, kv=kv)
+        try:
+            return session.all_logits(request[: session.context])
+        finally:
+            session.close()
+
+
+def _id_list(ids) -> list:
+    """A caller's token ids as a list; each item is saturated later (``sampling.as_u32``)."""
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}")
+    try:
+        return list(ids)
+    except TypeError:
+        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}") from None
+
+
+def _stop_strings(stop) -> list:
+    """Stop strings: one str or an iterable of them; empty and non-str items are ignored."""
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return [s for s in list(stop or ()) if isinstance(s, str) and s]
+    except TypeError:
+        raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
+
+
+Model = Needle3
