@@ -1,9 +1,17 @@
-"""needle-wgpu: a WebGPU inference engine for small language models (Needle 3 first)."""
+"""needle-wgpu: a WebGPU inference engine for small language models (Needle 3 and dense GGUF models)."""
 
 from .errors import (ContainerError, DeviceError, DeviceLimitError, DeviceLostError, InputError,
                      NeedleError, OutOfMemoryError, UnsupportedModelError)
 
 __version__ = "0.1.0"
 
+
+def load(source, device=None, progress=None):
+    """Open a model file (a path or its bytes: .cact or GGUF, told by its magic) on a GPU device
+    and return an ``api.Model``. ``progress(stage, done, total)`` is called while loading."""
+    from .api import Model
+
+    return Model.load(source, device=device, progress=progress)
+
 __all__ = ["NeedleError", "ContainerError", "UnsupportedModelError", "InputError", "DeviceError",
-           "DeviceLostError", "OutOfMemoryError", "DeviceLimitError", "__version__"]
+           "DeviceLostError", "OutOfMemoryError", "DeviceLimitError", "load", "__version__"]

@@ -1,4 +1,10 @@
-"""The public surface: load a model, generate (streamed or whole), logits, tool calls, confidence.
+"""The public surface, the same for every model family: load a model, generate (streamed or
+whole), logits, tool calls, confidence.
+
+A ``Model`` drives a family's GPU model through a small protocol (``families.py`` says which
+family a file is): ``geometry`` (vocab, head_rows, max_seq_len), ``tokenizer``, ``chat`` (how a
+request becomes ids, which ids stop, how a completion is parsed), ``session(context, kv)``
+(a ``models.session.ChunkedSession``) and ``describe()``.
 
 The no-panic contract (docs/api.md) is enforced here: every number is saturated
 (``sampling.py``), every structural problem is a ``NeedleError``, and a failed request leaves the
@@ -10,10 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import InputError, NeedleError
-from .formats import cact
-from .formats.tokenizer import Tokenizer
-from .prompt import Completion, parse_completion, prompt_ids
+from .errors import InputError, NeedleError, UnsupportedModelError
+from .prompt import Completion
 from .sampling import Sampling, clamp_budget, saturate_ids
 
 
@@ -39,42 +43,52 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
 
-class Needle3:
-    """A Needle 3 model on a GPU device. ``Needle3.load(path)`` opens it; sessions are per call."""
+class Model:
+    """A model on a GPU device. ``Model.load(source)`` (or ``needle_wgpu.load``) opens a .cact or
+    GGUF file; a session (KV cache) is made per call."""
 
-    def __init__(self, gpu_model, tokenizer: Tokenizer | None):
+    def __init__(self, gpu_model):
         self.gpu = gpu_model
         self.geometry = gpu_model.geometry
-        self.tokenizer = tokenizer
+        self.tokenizer = gpu_model.tokenizer
+        self.chat = gpu_model.chat
 
     @classmethod
-    def load(cls, source, device=None, progress=None) -> "Needle3":
-        """Load a .cact v3 file (path or bytes) onto ``device`` (default: the native device)."""
-        from .models.needle3 import Needle3Gpu
+    def load(cls, source, device=None, progress=None) -> "Model":
+        """Open a model file (path or bytes; the family is told by its magic) on ``device``
+        (default: the native device)."""
+        from .families import open_gpu_model
 
-        container = cact.load(source)
-        tokenizer = Tokenizer.from_blob(container.tokenizer) if container.tokenizer is not None else None
-        if device is None:
-            from .gpu import open_device
+        return cls(open_gpu_model(source, device=device, progress=progress))
 
-            device = open_device()
-        return cls(Needle3Gpu(device, container, progress=progress), tokenizer)
+    def describe(self) -> dict:
+        """What the model is: family, geometry, sizes (the ``info`` command prints it)."""
+        return self.gpu.describe()
 
     # ------------------------------------------------------------------ prompts
     def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
         """Token ids of a request: explicit ids, a tool-calling prompt (query + tools), or free text."""
         if ids is not None:
             return _id_list(ids)
-        tokenizer = self._need_tokenizer()
-        if query is not None or tools is not None:
-            if system is not None and not isinstance(system, str):
-                system = str(system)
-            return prompt_ids(tokenizer, query or "", tools=tools, system=system)
-        if prompt is None or prompt == "":
+        if prompt is None and query is None and tools is None:
             return []
-        return [tokenizer.bos_id] + tokenizer.encode(str(prompt))
+        if prompt == "" and query is None and tools is None:
+            return []
+        return self.chat.request_ids(self._need_tokenizer(), prompt=prompt, query=query, tools=tools,
+                                     system=system)
 
-    def _need_tokenizer(self) -> Tokenizer:
+    def encode(self, text) -> list:
+        """The tokenizer's ids of ``text`` (no BOS, no template)."""
+        return self._need_tokenizer().encode(str(text))
+
+    def decode(self, ids) -> str:
+        """Text of token ids (ids past the vocabulary saturate as everywhere)."""
+        tokenizer = self._need_tokenizer()
+        request, _ = saturate_ids(_id_list(ids), vocab=self.geometry.vocab)
+        decoder = tokenizer.stream_decoder(at_text_start=True)
+        return "".join(decoder.push(i) for i in request) + decoder.finish()
+
+    def _need_tokenizer(self):
         if self.tokenizer is None:
             raise NeedleError("this model file has no tokenizer record: pass token ids instead of text")
         return self.tokenizer
@@ -88,7 +102,7 @@ class Needle3:
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
-        stops = self._stop_ids()
+        stops = self.chat.stop_ids(self.tokenizer)
         stop_strings = _stop_strings(stop)
         out = result if result is not None else GenerationResult("", [], "empty", len(request))
         out.prompt_tokens, out.clamped_ids = len(request), clamped
@@ -142,14 +156,8 @@ class Needle3:
         for _ in self.stream(prompt, result=result, **options):
             pass
         if options.get("query") is not None or options.get("tools") is not None:
-            result.completion = parse_completion(result.text)
+            result.completion = self.chat.parse(result.text)
         return result
-
-    def _stop_ids(self) -> set:
-        stops = {1}
-        if self.tokenizer is not None:
-            stops |= set(self.tokenizer.stop_ids)
-        return stops
 
     # ------------------------------------------------------------------ analysis
     def confidence(self, ids=None, *, prompt=None, completion=None) -> float:
@@ -160,6 +168,8 @@ class Needle3:
         """
         import math
 
+        if not hasattr(self.gpu, "confidence"):
+            raise UnsupportedModelError("this model family has no confidence head")
         if ids is None:
             tokenizer = self._need_tokenizer()
             ids = [tokenizer.bos_id] + tokenizer.encode(str(prompt or "") + str(completion or ""))
@@ -206,4 +216,4 @@ def _stop_strings(stop) -> list:
         raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
 
 
-Model = Needle3
+Needle3 = Model  # the first family's name for the same surface

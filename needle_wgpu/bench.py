@@ -16,13 +16,12 @@ def _counters(device) -> tuple:
 
 def run_benchmark(args) -> dict:
     from .cli import Progress, default_model
-    from .engine import Needle3
-    from .formats import cact
+    from . import load
     from .sampling import Sampling
 
     path = args.model or str(default_model())
     started = time.perf_counter()
-    model = Needle3.load(path, progress=Progress())
+    model = load(path, progress=Progress())
     load_s = time.perf_counter() - started
     g = model.geometry
     device = model.gpu.device
@@ -49,7 +48,7 @@ def run_benchmark(args) -> dict:
     steps = max(args.decode_tokens, 1)
     per_step = [(a - b) / steps for a, b in zip(after, before)]
     allocated = dict(device.counters.bytes_allocated)
-    container = cact.load(path)
+    described = model.describe()
     result = {
         "model": str(path),
         "geometry": {"d_model": g.d_model, "layers": g.num_layers, "vocab": g.vocab},
@@ -65,8 +64,8 @@ def run_benchmark(args) -> dict:
         "submits_per_decode_step": per_step[1],
         "bytes_read_per_decode_step": per_step[2],
         "gpu_bytes": allocated,
-        "file_tensor_bytes": container.tensor_bytes,
-        "weights_over_file_tensor_bytes": round(allocated.get("weights", 0) / container.tensor_bytes, 4),
+        "file_tensor_bytes": described["tensor_bytes"],
+        "weights_over_file_tensor_bytes": round(allocated.get("weights", 0) / described["tensor_bytes"], 4),
         "last_token": next_id,
     }
     session.close()

@@ -59,9 +59,9 @@ class Progress:
 
 
 def _load(path, progress):
-    from .engine import Needle3
+    from . import load
 
-    return Needle3.load(path, progress=progress)
+    return load(path, progress=progress)
 
 
 def cmd_generate(args) -> int:
@@ -81,9 +81,7 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if "query" in request:
-        from .prompt import parse_completion
-
-        completion = parse_completion(result.text)
+        completion = model.chat.parse(result.text)
         print(json.dumps({"tool_calls": completion.tool_calls, "problems": completion.problems}, ensure_ascii=False))
     print(f"[{len(result.ids)} tokens, finish: {result.finish_reason}, prompt {result.prompt_tokens} tokens, "
           f"first token {result.time_to_first_token_s * 1000:.0f} ms, prefill {result.prefill_tokens_per_s:.1f} tok/s, "
@@ -92,16 +90,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .formats import cact
+    from .families import describe
 
-    container = cact.load(args.model)
-    g = container.geometry
-    info = {"geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
-            "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
-            "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
-            "heads": list(container.head_codes),
-            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0}
-    print(json.dumps(info, indent=2))
+    print(json.dumps(describe(args.model), indent=2))
     return 0
 
 

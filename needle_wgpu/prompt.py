@@ -229,3 +229,30 @@ def _normalise_call(i: int, item, problems: list) -> dict | None:
     if extra:
         problems.append(f"call {i} ({name}) has extra keys {extra}; ignored")
     return {"name": name, "arguments": arguments}
+
+
+# ----------------------------------------------------------------------------- the chat format
+
+
+class Needle3Chat:
+    """How the engine speaks to a Needle 3 model (the ``ChatFormat`` of ``api.Model``)."""
+
+    def request_ids(self, tokenizer, *, prompt=None, query=None, tools=None, system=None) -> list:
+        """A tool-calling prompt when ``query`` or ``tools`` is given (§9), else BOS + free text."""
+        if query is not None or tools is not None:
+            if system is not None and not isinstance(system, str):
+                system = str(system)
+            return prompt_ids(tokenizer, query or "", tools=tools, system=system)
+        return [tokenizer.bos_id] + tokenizer.encode(str(prompt))
+
+    @staticmethod
+    def stop_ids(tokenizer) -> set:
+        """EOS (id 1, §9) plus the tokenizer's own end-of-turn ids."""
+        stops = {1}
+        if tokenizer is not None:
+            stops |= set(tokenizer.stop_ids)
+        return stops
+
+    @staticmethod
+    def parse(text) -> Completion:
+        return parse_completion(text)

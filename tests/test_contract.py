@@ -18,6 +18,7 @@ from needle_wgpu.errors import (ContainerError, ContextFullError, DeviceError, D
 from needle_wgpu.formats import cact
 from needle_wgpu.formats.tokenizer import Tokenizer, synthetic_tokenizer
 from needle_wgpu.sampling import U32_MAX, Sampling, as_u32, clamp_budget, saturate_ids
+from needle_wgpu.prompt import Needle3Chat
 from needle_wgpu.synth import GEOMETRIES, synthesize
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -85,8 +86,12 @@ class RecordingSession:
 
 
 class RecordingGpu:
+    """A GpuModel (api.Model's protocol) that records what the engine asks of it."""
+
     def __init__(self, script=(), fail_at=None, fail_with=None, confidence_value=0.0):
         self.geometry = TINY
+        self.tokenizer, self.chat = TOKENIZER, Needle3Chat()
+        self.confidence = None  # has the capability; the session fakes the head's logit
         self.script = list(script)
         self.fail_at, self.fail_with = fail_at, fail_with
         self.confidence_value = confidence_value
@@ -97,7 +102,7 @@ class RecordingGpu:
 
 
 def engine(**options):
-    return Needle3(RecordingGpu(**options), TOKENIZER)
+    return Needle3(RecordingGpu(**options))
 
 
 # ----------------------------------------------------------------------------------- token ids (§0 item 1)
@@ -299,7 +304,9 @@ def test_invalid_tools_are_an_input_error_and_the_engine_stays_usable():
 
 
 def test_a_model_without_a_tokenizer_needs_ids():
-    model = Needle3(RecordingGpu(), None)
+    gpu = RecordingGpu()
+    gpu.tokenizer = None
+    model = Needle3(gpu)
     with pytest.raises(NeedleError, match="no tokenizer"):
         model.generate("hello")
     with pytest.raises(NeedleError, match="no tokenizer"):

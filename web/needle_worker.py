@@ -19,11 +19,10 @@ import traceback
 import js
 from pyodide.ffi import run_sync
 
-from needle_wgpu.engine import GenerationResult, Needle3
+from needle_wgpu.api import GenerationResult, Model
 from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
-from needle_wgpu.formats import cact
+from needle_wgpu.families import family_of
 from needle_wgpu.gpu.browser import create_browser_device
-from needle_wgpu.prompt import parse_completion
 from needle_wgpu.sampling import Sampling, clamp_budget
 
 MAX_PROMPT_CHARS = 200_000  # far beyond any context; keeps a pasted novel from stalling the tokenizer
@@ -31,7 +30,7 @@ MAX_PROMPT_CHARS = 200_000  # far beyond any context; keeps a pasted novel from 
 
 class State:
     device = None       # BrowserDevice
-    model = None        # Needle3
+    model = None        # api.Model
     model_bytes = None  # kept to reload after a device loss
     model_name = ""
     summary = None
@@ -103,7 +102,8 @@ def _upload(data: bytes, name: str) -> dict:
     """Validate, then upload. The old model's buffers are freed first; a healthy device (with its
     compiled pipelines) is kept, a lost one replaced."""
     started = time.perf_counter()
-    container = cact.load(data)  # raises ContainerError before the loaded model is touched
+    family = family_of(data)
+    parsed = family.read(data)  # raises ContainerError before the loaded model is touched
     parsed = time.perf_counter()
     State.model = None  # if this upload fails, the next request re-uploads the previous model
     device = State.device
@@ -111,12 +111,12 @@ def _upload(data: bytes, name: str) -> dict:
         device = _open_device()
     else:
         device.release_dropped()  # the old model's memory, now rather than at JS garbage collection
-    layers = container.geometry.num_layers
+    layers = parsed.geometry.num_layers
 
     def report(stage, done, total):
         progress("upload", f"Uploading weights (layer {done} of {layers})", done, total)
 
-    model = Needle3.load(data, device=device, progress=report)
+    model = Model(family.open(parsed, device, progress=report))
     device.check("uploading the weights")
     uploaded = time.perf_counter()
     progress("compile", "Compiling GPU pipelines and running a first step", 0, None)
@@ -150,7 +150,7 @@ def load_model(js_bytes, name) -> dict:
     return _upload(data, str(name))
 
 
-def _ready_model() -> Needle3:
+def _ready_model() -> Model:
     if State.model is None and State.model_bytes is None:
         raise NeedleError("no model is loaded yet: load the bundled model, a file or a URL first")
     lost = State.device is not None and State.device.lost_reason
@@ -232,7 +232,7 @@ def generate(request_json: str) -> dict:
         "clampedIds": result.clamped_ids, "settings": effective, "mode": mode,
     }
     if mode == "tools":
-        completion = parse_completion(text)
+        completion = _ready_model().chat.parse(text)
         out["completion"] = {"toolCalls": completion.tool_calls, "thinking": completion.thinking,
                              "problems": completion.problems, "abstained": completion.abstained}
     return out
@@ -254,6 +254,7 @@ def cq_matmul(js_bytes, tensor_name, js_x, positions) -> dict:
     """One CQ tensor of a container times ``x`` (positions x cols) through cq_prepare + cq_matmul."""
     import struct
 
+    from needle_wgpu.formats import cact
     from needle_wgpu.gpu import Plan, UniformArena
     from needle_wgpu.kernels import cq
 

@@ -5,17 +5,46 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 from __future__ import annotations
 
 from ..errors import NeedleError, UnsupportedModelError
+from ..formats import cact
 from ..formats.cact import CactFile
+from ..formats.tokenizer import Tokenizer
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
 from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
 from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
+from ..prompt import Needle3Chat
 from .session import ChunkedSession, PlanKey
 
 PREFILL_CHUNK = 64
 F32 = 4
+MAGICS = (cact.TAG_V3.to_bytes(4, "little"), cact.TAG_V2.to_bytes(4, "little"))
+
+
+def sniff(head: bytes) -> bool:
+    """A .cact container (v3, or v2, which the reader refuses by name)."""
+    return bytes(head[:4]) in MAGICS
+
+
+def read(source) -> CactFile:
+    """Read and validate a .cact file (path or bytes)."""
+    return cact.load(source)
+
+
+def open(container: CactFile, device: Device, progress=None) -> "Needle3Gpu":
+    """Upload a validated container to ``device``."""
+    return Needle3Gpu(device, container, progress=progress)
+
+
+def describe(container: CactFile) -> dict:
+    """A .cact file's geometry and layout, without a GPU (``needle-wgpu info``)."""
+    g = container.geometry
+    return {"family": "needle3", "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
+            "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
+            "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
+            "heads": list(container.head_codes),
+            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0}
 
 
 class Needle3Gpu:
@@ -25,6 +54,9 @@ class Needle3Gpu:
         self.device = device
         self.cact = container
         self.geometry = g = container.geometry
+        self.tokenizer = Tokenizer.from_blob(container.tokenizer) if container.tokenizer is not None else None
+        self.chat = Needle3Chat()
+        weights_before = device.counters.bytes_allocated.get("weights", 0)
         self.report = report = progress or (lambda stage, done, total: None)
         self.group = container["embedding"].group
         self.levels = device.buffer(256, label="levels", data=cq.levels_bytes(container), kind="weights")
@@ -57,12 +89,16 @@ class Needle3Gpu:
         if probe_ops.CONFIDENCE in container.head_codes:
             self.confidence = probe_ops.ConfidenceHead(container)
             self.probes = cq.upload_pack(device, "probes", [self.confidence.probes])
+        self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
         report("upload", g.num_layers, g.num_layers)
 
     @property
     def mix_width(self) -> int:
         n = self.geometry.mhc_lanes
         return 2 * n + n * n
+
+    def describe(self) -> dict:
+        return describe(self.cact) | {"gpu_weight_bytes": self.weight_bytes}
 
     def session(self, context=None, kv="f32", confidence=False) -> "Needle3Session":
         return Needle3Session(self, context=context, kv=kv, confidence=confidence)
