@@ -82,11 +82,12 @@ class Model:
         return self._need_tokenizer().encode(str(text))
 
     def decode(self, ids) -> str:
-        """Text of token ids (ids past the vocabulary saturate as everywhere)."""
+        """Text of token ids: each saturated to u32, then ids >= vocab read as vocab - 1."""
         tokenizer = self._need_tokenizer()
-        request, _ = saturate_ids(_id_list(ids), vocab=self.geometry.vocab)
+        request, _ = saturate_ids(_id_list(ids))
+        last = self.geometry.vocab - 1  # as the embedding lookup clamps them
         decoder = tokenizer.stream_decoder(at_text_start=True)
-        return "".join(decoder.push(i) for i in request) + decoder.finish()
+        return "".join(decoder.push(min(i, last)) for i in request) + decoder.finish()
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
