@@ -149,10 +149,16 @@ def dense_tensors(geometry, rng: random.Random, qtype: str = "Q8_0") -> list:
     return out
 
 
-def dense_gguf(arch: str = "llama", *, tied: bool = True, qtype: str = "Q8_0", seed: int = 0,
-               extra_kvs=(), tensors_fn=None, **sizes) -> bytes:
-    """A small valid model file of one architecture (sizes as ARCH_DEFAULTS). ``tensors_fn`` may
-    edit the tensor list before it is written."""
+def dense_gguf(arch: str = "llama", **options) -> bytes:
+    """A small valid model file of one architecture; options as for ``dense_parts``."""
+    return build_gguf(*dense_parts(arch, **options))[0]
+
+
+def dense_parts(arch: str = "llama", *, tied: bool = True, qtype: str = "Q8_0", seed: int = 0, keys=None,
+                tensors_fn=None, qkv_bias=None, output_bias=False, **sizes) -> tuple:
+    """(kvs, tensors) of a small valid model (sizes as ARCH_DEFAULTS) for ``build_gguf``. ``keys``
+    edits the metadata: key -> (vtype, value) replaces or adds an entry, key -> None drops it;
+    ``tensors_fn`` may edit the (name, ne, type_id, bytes) list."""
     from needle_wgpu.formats.dense_geometry import DenseGeometry
 
     values = {**ARCH_DEFAULTS, **sizes}
@@ -163,10 +169,15 @@ def dense_gguf(arch: str = "llama", *, tied: bool = True, qtype: str = "Q8_0", s
         num_heads=values["heads"], num_kv_heads=values["kv_heads"], key_dim=values["head_dim"],
         value_dim=values["head_dim"], rope_dims=values["head_dim"], rope_base=10000.0,
         rope_freq_scale=1.0, rms_eps=1e-6, vocab=values["vocab"], context_length=values["context"],
-        tied_head=tied, qkv_bias=arch == "qwen2", output_bias=False, num_experts=experts,
-        num_experts_used=2 if experts else 0)
+        tied_head=tied, qkv_bias=arch == "qwen2" if qkv_bias is None else qkv_bias,
+        output_bias=output_bias, num_experts=experts, num_experts_used=2 if experts else 0)
     tensors = dense_tensors(geometry, random.Random(seed), qtype)
     if tensors_fn is not None:
         tensors = tensors_fn(tensors)
-    data, _ = build_gguf(dense_kvs(arch, **values) + list(extra_kvs), tensors)
-    return data
+    edits, kvs = dict(keys or {}), []
+    for key, vtype, value in dense_kvs(arch, **values):
+        edit = edits.pop(key, (vtype, value))
+        if edit is not None:
+            kvs.append((key, *edit))
+    kvs += [(key, *edit) for key, edit in edits.items() if edit is not None]
+    return kvs, tensors

@@ -356,8 +356,9 @@ def _make_tensors(data: memoryview, infos: list, alignment: int, data_start: int
             _fail(what, f"bytes [{start}, {start + nbytes}) run past the end of the file ({size} bytes)")
         view = data[start : start + nbytes]
         tensors[name] = GgufTensor(name, tuple(ne), gtype, offset, nbytes, view)
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
-    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+    # Sorted by offset, then file order: of two tensors at one offset the later one is named.
+    spans = sorted((t.offset, i, t.offset + t.nbytes, t.name) for i, t in enumerate(tensors.values()) if t.nbytes)
+    for (a0, _, a1, a), (b0, _, b1, b) in zip(spans, spans[1:]):
         if b0 < a1:
             _fail(f"tensor {b!r}", f"bytes [{b0}, {b1}) of the data section overlap tensor {a!r} [{a0}, {a1})")
     return tensors
