@@ -423,7 +423,8 @@ def mutate_gguf(rng: random.Random, data: bytes, base: bytes, layout) -> tuple:
         _set(out, "Q", at, value)
         what = f"{'string length' if kind == 4 else 'array count'} at {at} = {value}"
     elif kind == 6:
-        at, value = rng.choice(layout.value_types), rng.choice((0, 4, 6, 7, 8, 9, 10, 12, 13, 255, rng.randrange(1 << 32)))
+        at = rng.choice(layout.value_types)
+        value = rng.choice((0, 4, 6, 7, 8, 9, 10, 12, 13, 255, rng.randrange(1 << 32)))
         _set(out, "I", at, value)
         what = f"value type at {at} = {value}"
     elif kind == 7:

@@ -6,6 +6,7 @@ tests/gguf_samples.py; each case either patches its bytes or rebuilds it with on
 names the exception type and a pattern its message must match.
 """
 
+import random
 import struct
 import time
 import tracemalloc
@@ -83,7 +84,7 @@ def replace_tensor(name, ne=None, type_name=None):
             if n == name:
                 shape = ne or shape
                 t = BY_NAME[type_name] if type_name else next(t for t in BY_NAME.values() if t.id == type_id)
-                type_id, data = t.id, tensor_bytes(__import__("random").Random(0), t.name, shape)
+                type_id, data = t.id, tensor_bytes(random.Random(0), t.name, shape)
             out.append((n, shape, type_id, data))
         return out
     return edit
@@ -94,8 +95,6 @@ def without_tensor(name):
 
 
 def with_tensor(name, ne, type_name="F32"):
-    import random
-
     return lambda tensors: tensors + [(name, ne, BY_NAME[type_name].id, tensor_bytes(random.Random(1), type_name, ne))]
 
 
@@ -116,6 +115,7 @@ E, U = ContainerError, UnsupportedModelError
 FIRST = BASE_TENSORS[0][0]  # token_embd.weight
 LAST = BASE_TENSORS[-1][0]
 TOKENS = "tokenizer.ggml.tokens"
+LAST_OFFSET = struct.unpack_from("<Q", BASE, LAYOUT.tensor_offsets[-1])[0]
 
 CASES = {
     # --- header
@@ -176,8 +176,8 @@ CASES = {
                              rf"tensor '{FIRST}': unknown tensor type id 4"),
     "row width not whole blocks": (lambda: patch("I", tensor_field(FIRST, "type"), BY_NAME["Q4_K"].id), E,
                                    rf"tensor '{FIRST}': row width 64 is not a multiple of the Q4_K block size 256"),
-    "unaligned offset": (lambda: patch("Q", tensor_field(LAST, "offset"), 8 + struct.unpack_from(
-        "<Q", BASE, tensor_field(LAST, "offset"))[0]), E, rf"tensor '{LAST}': offset \d+ is not a multiple of the alignment 32"),
+    "unaligned offset": (lambda: patch("Q", tensor_field(LAST, "offset"), 8 + LAST_OFFSET), E,
+                         rf"tensor '{LAST}': offset {8 + LAST_OFFSET} is not a multiple of the alignment 32"),
     "offset past the end": (lambda: patch("Q", tensor_field(LAST, "offset"), 1 << 40), E,
                             rf"tensor '{LAST}': bytes \[\d+, \d+\) run past the end of the file"),
     "last tensor truncated": (lambda: BASE[:-1], E, rf"tensor '{LAST}': bytes .* run past the end"),
@@ -217,11 +217,18 @@ CASES = {
     "missing embedding": (lambda: rebuilt(tensors_fn=without_tensor("token_embd.weight")), E,
                           r"tensor 'token_embd.weight': missing"),
     "mis-shaped tensor": (lambda: rebuilt(tensors_fn=replace_tensor("blk.0.attn_k.weight", ne=(64, 64))), E,
-                          r"tensor 'blk.0.attn_k.weight': ne \[64, 64\] disagrees with the metadata \(expected \[64, 32\]\)"),
+                          r"tensor 'blk.0.attn_k.weight': ne \[64, 64\] disagrees with the metadata "
+                          r"\(expected \[64, 32\]\)"),
     "embedding narrower than d": (lambda: rebuilt(tensors_fn=replace_tensor("token_embd.weight", ne=(32, 64))), E,
                                   r"tensor 'token_embd.weight': ne \[32, 64\] disagrees with embedding_length 64"),
-    "vocab_size disagrees with the embedding": (lambda: rebuilt(keys={"llama.vocab_size": (G.UINT32, 65)}), E,
+    "vocab_size disagrees with the embedding": (lambda: rebuilt(tokenizer=False,
+                                                                keys={"llama.vocab_size": (G.UINT32, 65)}), E,
                                                 r"tensor 'token_embd.weight': ne \[64, 64\] disagrees .*\[64, 65\]"),
+    "fewer tokens than the vocabulary": (lambda: rebuilt(vocab=72, kvs_fn=lambda kvs: [
+        kv if kv[0] != TOKENS else (TOKENS, G.ARRAY, (G.STRING, kv[2][1][:70])) for kv in kvs]), E,
+                                         rf"metadata key '{TOKENS}': 70 tokens for a vocabulary of 72"),
+    "tokens not an array": (lambda: rebuilt(keys={TOKENS: (G.UINT32, 64)}), E,
+                            rf"metadata key '{TOKENS}': is not an array of strings"),
     "olmoe without its head": (lambda: rebuilt("olmoe", tensors_fn=without_tensor("output.weight")), E,
                                r"tensor 'output.weight': missing \(olmoe has no tied head\)"),
     "qwen2 without a bias": (lambda: rebuilt("qwen2", tensors_fn=without_tensor("blk.0.attn_v.bias")), E,
@@ -272,3 +279,15 @@ def test_a_file_cut_anywhere_is_a_container_error():
     for cut in cuts:
         with pytest.raises(ContainerError, match=r"^(header|metadata|tensor)"):
             open_gguf(BASE[:cut])
+
+
+def test_a_claim_of_many_layers_fails_at_the_first_missing_one_in_little_memory():
+    data = rebuilt(keys={"llama.block_count": (G.UINT32, 1024)})
+    tracemalloc.start()
+    try:
+        with pytest.raises(ContainerError, match=r"tensor 'blk.1.attn_norm.weight': missing"):
+            open_model(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < len(data)  # listing 1024 layers' tensor names would take ~2 MB

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ContainerError, UnsupportedModelError
-from .gguf import ARRAY, REQUIRED, GgufFile
+from .gguf import ARRAY, REQUIRED, STRING, GgufFile
 from .gguf_types import require_supported
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3")
@@ -102,7 +102,7 @@ class DenseGeometry:
     @property
     def attention_scale(self) -> float:
         if self.arch == "gemma3" and self.num_layers == GEMMA3_27B_LAYERS:
-            return 1.0 / math.sqrt(self.d_model // self.num_heads)
+            return 1.0 / math.sqrt(max(self.d_model // self.num_heads, 1))
         return 1.0 / math.sqrt(self.key_dim)
 
     def is_global(self, layer: int) -> bool:
@@ -140,14 +140,19 @@ class DenseGeometry:
 
     def tensors(self) -> list:
         """(name, ne) of every tensor the graph reads, in a fixed order."""
+        return [spec for group in self._tensor_groups() for spec in group]
+
+    def _tensor_groups(self):
+        """The model-wide tensors, then one list per layer (checked a layer at a time, so a file
+        claiming 1024 layers fails at its first missing tensor without listing them all)."""
         out = [("token_embd.weight", (self.d_model, self.vocab)), ("output_norm.weight", (self.d_model,))]
         if not self.tied_head:
             out.append(("output.weight", (self.d_model, self.vocab)))
         if self.output_bias:
             out.append(("output.bias", (self.vocab,)))
+        yield out
         for layer in range(self.num_layers):
-            out += self.layer_tensors(layer)
-        return out
+            yield self.layer_tensors(layer)
 
     # ------------------------------------------------------------------ reading (§1)
     @classmethod
@@ -185,6 +190,12 @@ class DenseGeometry:
         vocab = _count(f, key("vocab_size"), hi=MAX_VOCAB) if key("vocab_size") in f.fields else embd.ne[1]
         if not 1 <= vocab <= MAX_VOCAB:
             _bad("tensor 'token_embd.weight'", f"{vocab} rows (the vocabulary) is out of range (1..{MAX_VOCAB})")
+        tokens = f.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:  # llama.cpp sizes the embedding by it
+            if tokens.item_type != STRING:
+                _bad("metadata key 'tokenizer.ggml.tokens'", "is not an array of strings")
+            if len(tokens.value) != vocab:
+                _bad("metadata key 'tokenizer.ggml.tokens'", f"{len(tokens.value)} tokens for a vocabulary of {vocab}")
         if arch == "olmoe" and "output.weight" not in f:
             _bad("tensor 'output.weight'", "missing (olmoe has no tied head)")
         geometry = cls(
@@ -221,18 +232,18 @@ class DenseGeometry:
                  f"{self.num_experts_used} > expert_count {self.num_experts}")
 
     def _check_tensors(self, f: GgufFile) -> None:
-        expected = self.tensors()
-        for name, ne in expected:
-            if name not in f:
-                _bad(f"tensor {name!r}", "missing")
-            tensor = f[name]
-            if tensor.ne != ne:
-                _bad(f"tensor {name!r}", f"ne {list(tensor.ne)} disagrees with the metadata (expected {list(ne)})")
-            require_supported(tensor.type, f"tensor {name!r}")
-            if len(ne) == 1 and tensor.type.name != "F32":
-                raise UnsupportedModelError(f"tensor {name!r}: a {tensor.type.name} vector (norms and biases "
-                                            "must be F32)")
-        used = {name for name, _ in expected}
+        for group in self._tensor_groups():
+            for name, ne in group:
+                if name not in f:
+                    _bad(f"tensor {name!r}", "missing")
+                tensor = f[name]
+                if tensor.ne != ne:
+                    _bad(f"tensor {name!r}", f"ne {list(tensor.ne)} disagrees with the metadata (expected {list(ne)})")
+                require_supported(tensor.type, f"tensor {name!r}")
+                if len(ne) == 1 and tensor.type.name != "F32":
+                    raise UnsupportedModelError(f"tensor {name!r}: a {tensor.type.name} vector (norms and biases "
+                                                "must be F32)")
+        used = {name for name, _ in self.tensors()}  # each one is in the file now: bounded by it
         for name in f.tensors:
             if name not in used:
                 raise UnsupportedModelError(f"tensor {name!r}: not part of the {self.arch} graph this engine "
