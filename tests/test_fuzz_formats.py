@@ -1,4 +1,4 @@
-"""Seeded mutation fuzzing of the two byte formats a user can hand us: .cact v3 and the tokenizer blob.
+"""Seeded mutation fuzzing of the byte formats a user can hand us: .cact v3, its tokenizer blob and .gguf.
 
 Every mutated input must end in a valid load or a ``NeedleError`` (docs/api.md, "Model files"),
 within ``TIME_LIMIT_S``, and parsing must not allocate more than the input's own size (tracemalloc
@@ -8,9 +8,8 @@ from the file. A loaded result is also used a little
 promises the rest of the engine consistent data.
 
 The mutators are plain ``random.Random`` so a seed gives the same cases on every platform; a
-failure message names the case number and the mutations, and ``cact_case(base, n)`` or
-``blob_case(n)`` rebuilds that input.
-(.gguf has no reader yet, so there is nothing to fuzz for it.)
+failure message names the case number and the mutations, and ``cact_case(base, n)``,
+``blob_case(n)`` or ``gguf_case(base, n)`` rebuilds that input.
 """
 
 import random
@@ -21,8 +20,11 @@ from collections import Counter
 
 import pytest
 
+from gguf_samples import build_gguf, dense_parts
 from needle_wgpu.errors import NeedleError
 from needle_wgpu.formats import cact
+from needle_wgpu.formats.dense_geometry import DenseGeometry
+from needle_wgpu.formats.gguf import open_gguf
 from needle_wgpu.formats import tokenizer as tok
 from needle_wgpu.formats.tokenizer import Tokenizer, synthetic_tokenizer_blob
 from needle_wgpu.synth import synthesize
@@ -368,3 +370,154 @@ def test_a_huge_claimed_count_allocates_nothing_in_proportion(claim):
     finally:
         tracemalloc.stop()
     assert peak < TOKENIZER_BYTES_PER_BLOB_BYTE * len(out)
+
+
+# ----------------------------------------------------------------------------------- .gguf
+
+GGUF_CASES_PER_BASE = 600  # two bases: 1200 files per run
+# Parsing builds a Python object per key, string and tensor of the metadata: up to ~10 bytes per
+# byte of it (a 2-character string in 10 file bytes becomes a 56-byte str plus two pointers). A
+# file cut just after its 64-token vocabulary reaches 7.5x; the whole files stay below 2x, their
+# tensor data costing nothing (views).
+GGUF_BYTES_PER_FILE_BYTE = 10
+# Two small models: a one-layer llama with a 64-token vocabulary, and a MoE (qwen3moe).
+GGUF_BASES = {
+    "llama": build_gguf(*dense_parts("llama", layers=1, vocab=64)),
+    "qwen3moe": build_gguf(*dense_parts("qwen3moe", layers=1, vocab=64, d=32, heads=2, kv_heads=1, head_dim=16,
+                                        ff=32)),
+}
+
+
+def _set(out, fmt, at, value):
+    if at + struct.calcsize(fmt) <= len(out):  # an earlier mutation in the stack may have cut it off
+        struct.pack_into("<" + fmt, out, at, value & ((1 << (8 * struct.calcsize(fmt))) - 1))
+
+
+def mutate_gguf(rng: random.Random, data: bytes, base: bytes, layout) -> tuple:
+    """(mutated file, what was done). Field edits use the unmutated base's layout and values, so
+    they hit the header, metadata and tensor infos; earlier mutations in a stack may have moved
+    the fields (that is fine: the result is still some file)."""
+    out = bytearray(data)
+    head = layout.data_start  # header, metadata and tensor infos
+    kind = rng.randrange(14)
+    if kind == 0:
+        count = rng.randint(1, 8)
+        _flip_bits(rng, out, count, len(out))
+        what = f"{count} bit flips anywhere"
+    elif kind == 1:
+        count = rng.randint(1, 4)
+        _flip_bits(rng, out, count, min(head, len(out)))
+        what = f"{count} bit flips before the data"
+    elif kind == 2:
+        cut = rng.randrange(min(head + 64, len(out))) if rng.random() < 0.7 else rng.randrange(len(out))
+        return bytes(out[:cut]), f"truncated to {cut} bytes"
+    elif kind == 3:
+        at, value = rng.choice((8, 16)), rng.choice(INTERESTING64)
+        _set(out, "Q", at, value)
+        what = f"{'tensor' if at == 8 else 'metadata'} count = {value}"
+    elif kind in (4, 5):
+        fields = layout.string_lengths if kind == 4 else layout.array_counts
+        at = rng.choice(fields)
+        old = struct.unpack_from("<Q", base, at)[0]
+        value = rng.choice(INTERESTING64 + (old + 1, old - 1, 2 * old))
+        _set(out, "Q", at, value)
+        what = f"{'string length' if kind == 4 else 'array count'} at {at} = {value}"
+    elif kind == 6:
+        at = rng.choice(layout.value_types)
+        value = rng.choice((0, 4, 6, 7, 8, 9, 10, 12, 13, 255, rng.randrange(1 << 32)))
+        _set(out, "I", at, value)
+        what = f"value type at {at} = {value}"
+    elif kind == 7:
+        i, value = rng.randrange(len(layout.n_dims)), rng.choice((0, 1, 2, 3, 4, 5, 6, 1 << 31))
+        _set(out, "I", layout.n_dims[i], value)
+        what = f"tensor {i} n_dims = {value}"
+    elif kind == 8:
+        i = rng.randrange(len(layout.ne))
+        at = layout.ne[i] + 8 * rng.randrange(struct.unpack_from("<I", base, layout.n_dims[i])[0])
+        old = struct.unpack_from("<Q", base, at)[0]
+        value = rng.choice(INTERESTING64 + (old + 1, old - 1, 2 * old, old // 2))
+        _set(out, "Q", at, value)
+        what = f"tensor {i} ne field at {at} = {value}"
+    elif kind == 9:
+        i, value = rng.randrange(len(layout.tensor_types)), rng.choice((*range(45), 255, 1 << 31))
+        _set(out, "I", layout.tensor_types[i], value)
+        what = f"tensor {i} type = {value}"
+    elif kind == 10:
+        i, j = rng.randrange(len(layout.tensor_offsets)), rng.randrange(len(layout.tensor_offsets))
+        other = struct.unpack_from("<Q", base, layout.tensor_offsets[j])[0]
+        value = rng.choice((other, other + 32, other - 32, other + 1, rng.choice(INTERESTING64)))
+        _set(out, "Q", layout.tensor_offsets[i], value)
+        what = f"tensor {i} offset = {value}"
+    elif kind == 11:
+        i, j = rng.randrange(len(layout.info_spans)), rng.randrange(len(layout.info_spans))
+        (a0, a1), (b0, b1) = layout.info_spans[i], layout.info_spans[j]
+        if a1 - a0 == b1 - b0:  # same size: a duplicate name (or an identical copy)
+            out[a0:a1] = base[b0:b1] if a1 <= len(out) else out[a0:a1]
+            what = f"tensor info {j} copied over {i}"
+        else:
+            out[a0:a0 + 4] = base[b0:b0 + 4]
+            what = f"tensor info {j}'s first bytes copied over {i}'s"
+    elif kind == 12:
+        at, length = rng.choice(layout.string_bytes)
+        byte = rng.choice((0x80, 0xC0, 0xC3, 0xED, 0xF4, 0xFF, 0x00))
+        if length and at + length <= len(out):
+            out[at + rng.randrange(length)] = byte
+        what = f"string byte at {at} = 0x{byte:02X}"
+    else:
+        at, extra = rng.randrange(head), bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        out[at:at] = extra if rng.random() < 0.5 else b""
+        if not extra or rng.random() < 0.5:
+            del out[at : at + len(extra)]
+        what = f"bytes inserted/removed at {at}"
+    return bytes(out), what
+
+
+def gguf_case(base_name: str, case: int) -> tuple:
+    """The mutated file of one case (stack of 1-3 mutations), to reproduce a failure."""
+    rng = random.Random(f"gguf-{base_name}-{case}")
+    base, layout = GGUF_BASES[base_name]
+    data, steps = base, []
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        data, what = mutate_gguf(rng, data, base, layout)
+        steps.append(what)
+        if len(data) < layout.data_start:
+            break  # cut before the data: the field offsets no longer point into the file
+    return data, "; ".join(steps)
+
+
+def open_gguf_like_the_engine(data):
+    gguf_file = open_gguf(data)
+    return gguf_file, DenseGeometry.from_gguf(gguf_file)
+
+
+def check_loaded_gguf(loaded, size):
+    gguf_file, geometry = loaded
+    assert gguf_file.file_size == size and gguf_file.data_start % gguf_file.alignment == 0
+    for tensor in gguf_file.tensors.values():
+        start = gguf_file.data_start + tensor.offset
+        assert len(tensor.data) == tensor.nbytes and start + tensor.nbytes <= size, tensor.name
+        assert tensor.nbytes == tensor.n_elements // tensor.type.block_size * tensor.type.type_size, tensor.name
+    for name, ne in geometry.tensors():
+        assert gguf_file[name].ne == ne and gguf_file[name].type.supported, name
+    for entry in gguf_file.fields.values():
+        value = entry.value
+        if isinstance(value, memoryview):
+            value.tolist()
+
+
+@pytest.mark.parametrize("base_name", list(GGUF_BASES))
+def test_gguf_mutations_load_or_raise_a_needle_error(base_name):
+    cases = ((case, gguf_case(base_name, case)) for case in range(GGUF_CASES_PER_BASE))
+    outcomes, failures = run_cases(cases, open_gguf_like_the_engine, check_loaded_gguf,
+                                   lambda size: max(GGUF_BYTES_PER_FILE_BYTE * size, SMALL_INPUT_FLOOR))
+    assert not failures, "\n".join(failures[:20])
+    assert sum(outcomes.values()) == GGUF_CASES_PER_BASE
+    assert outcomes["loaded"] >= GGUF_CASES_PER_BASE // 20, outcomes
+    assert outcomes["ContainerError"] >= GGUF_CASES_PER_BASE // 2, outcomes
+    assert outcomes["UnsupportedModelError"] >= GGUF_CASES_PER_BASE // 100, outcomes  # type ids, versions
+
+
+def test_the_unmutated_gguf_files_load_within_the_same_limits():
+    cases = [(i, (data, "none")) for i, (data, _) in enumerate(GGUF_BASES.values())]
+    outcomes, failures = run_cases(cases, open_gguf_like_the_engine, check_loaded_gguf, lambda size: size)
+    assert outcomes == {"loaded": 2} and not failures, failures

@@ -1,0 +1,285 @@
+"""Geometry of a dense GGUF model: one frozen dataclass, read from the metadata and checked
+against the tensors once, at load (spec §1, §2). Pure Python.
+
+Architectures: llama, qwen2, qwen3, gemma3 and the MoE pair qwen3moe, olmoe. Widths come from
+the keys (with llama.cpp's defaults) and every tensor the graph uses must have exactly the shape
+they imply, so a file whose tensor shapes disagree with its metadata is refused here, naming
+the tensor; a tensor the graph would not use (``rope_freqs.weight``, shared experts, ...) means
+a feature this engine does not implement and is refused by name too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ContainerError, UnsupportedModelError
+from .gguf import ARRAY, REQUIRED, STRING, GgufFile
+from .gguf_types import require_supported
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3")
+MOE_ARCHS = ("qwen3moe", "olmoe")
+# Per-head QK-norm over head_dim (qwen3 family, gemma3) or full-width before the head split (olmoe).
+HEAD_QK_NORM = ("qwen3", "qwen3moe", "gemma3")
+GEMMA3_GLOBAL_EVERY = 6  # layer il is global when il % 6 == 5 (§3, Gemma 3)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # hard-coded in llama.cpp, not in the file (§1)
+GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose query scale is 1/sqrt(d / n_head) (§3)
+ROPE_SCALINGS = ("none", "linear")  # yarn, longrope, ... need kernels this engine lacks
+
+MAX_DIM = 1 << 20
+MAX_LAYERS = 1024
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 24
+MAX_EXPERTS = 1024
+
+
+def _bad(what: str, problem: str):
+    raise ContainerError(f"{what}: {problem}")
+
+
+@dataclass(frozen=True)
+class DenseGeometry:
+    arch: str
+    num_layers: int
+    d_model: int
+    ff_dim: int  # width of the dense FFN; for MoE archs the width of one expert
+    num_heads: int
+    num_kv_heads: int
+    key_dim: int  # head_dim of q and k (attention.key_length)
+    value_dim: int  # head_dim of v (attention.value_length)
+    rope_dims: int  # rotated dims per head (partial rotary when < key_dim)
+    rope_base: float  # gemma3: the base of the global layers
+    rope_freq_scale: float  # 1 / rope.scaling.factor (linear scaling; gemma3: global layers only)
+    rms_eps: float
+    vocab: int
+    context_length: int
+    tied_head: bool  # no output.weight: token_embd.weight is the head
+    qkv_bias: bool  # blk.N.attn_{q,k,v}.bias (qwen2; optional on llama)
+    output_bias: bool  # output.bias (qwen2, optional)
+    num_experts: int = 0
+    num_experts_used: int = 0
+    sliding_window: int = 0  # gemma3 sliding layers; 0 = every layer sees the whole past
+
+    # ------------------------------------------------------------------ derived (§1, §3)
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.key_dim
+
+    @property
+    def k_dim(self) -> int:
+        return self.num_kv_heads * self.key_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.num_kv_heads * self.value_dim
+
+    @property
+    def attn_out(self) -> int:
+        return self.num_heads * self.value_dim
+
+    @property
+    def kv_repeat(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch in MOE_ARCHS
+
+    @property
+    def qk_norm(self) -> str:
+        """'head' (one [key_dim] weight shared by every head), 'full' (olmoe) or '' (none)."""
+        return "head" if self.arch in HEAD_QK_NORM else "full" if self.arch == "olmoe" else ""
+
+    @property
+    def rope_neox(self) -> bool:
+        """NeoX pairing (x_j, x_{j+n/2}); llama GGUFs use adjacent pairs (§3)."""
+        return self.arch != "llama"
+
+    @property
+    def head_tensor(self) -> str:
+        return "token_embd.weight" if self.tied_head else "output.weight"
+
+    @property
+    def attention_scale(self) -> float:
+        if self.arch == "gemma3" and self.num_layers == GEMMA3_27B_LAYERS:
+            return 1.0 / math.sqrt(max(self.d_model // self.num_heads, 1))
+        return 1.0 / math.sqrt(self.key_dim)
+
+    def is_global(self, layer: int) -> bool:
+        """Whether a layer attends to the whole causal past (all but gemma3's sliding layers)."""
+        return self.arch != "gemma3" or layer % GEMMA3_GLOBAL_EVERY == GEMMA3_GLOBAL_EVERY - 1
+
+    def rope(self, layer: int) -> tuple:
+        """(freq_base, freq_scale) of one layer's RoPE."""
+        if self.is_global(layer):
+            return self.rope_base, self.rope_freq_scale
+        return GEMMA3_LOCAL_ROPE_BASE, 1.0
+
+    # ------------------------------------------------------------------ tensors (§2)
+    def layer_tensors(self, layer: int) -> list:
+        """(name, ne) of every tensor of one layer, ne in ggml order (ne[0] = input width)."""
+        d, ff, n_exp = self.d_model, self.ff_dim, self.num_experts
+        out = [("attn_norm", (d,)), ("attn_q", (d, self.q_dim)), ("attn_k", (d, self.k_dim)),
+               ("attn_v", (d, self.v_dim)), ("attn_output", (self.attn_out, d)), ("ffn_norm", (d,))]
+        if self.qkv_bias:
+            out += [("attn_q.bias", (self.q_dim,)), ("attn_k.bias", (self.k_dim,)),
+                    ("attn_v.bias", (self.v_dim,))]
+        if self.qk_norm == "head":
+            out += [("attn_q_norm", (self.key_dim,)), ("attn_k_norm", (self.key_dim,))]
+        elif self.qk_norm == "full":
+            out += [("attn_q_norm", (self.q_dim,)), ("attn_k_norm", (self.k_dim,))]
+        if self.arch == "gemma3":
+            out += [("post_attention_norm", (d,)), ("post_ffw_norm", (d,))]
+        if self.is_moe:
+            out += [("ffn_gate_inp", (d, n_exp)), ("ffn_gate_exps", (d, ff, n_exp)),
+                    ("ffn_up_exps", (d, ff, n_exp)), ("ffn_down_exps", (ff, d, n_exp))]
+        else:
+            out += [("ffn_gate", (d, ff)), ("ffn_up", (d, ff)), ("ffn_down", (ff, d))]
+        return [(f"blk.{layer}.{name}" + ("" if name.endswith(".bias") else ".weight"), ne)
+                for name, ne in out]
+
+    def tensors(self) -> list:
+        """(name, ne) of every tensor the graph reads, in a fixed order."""
+        return [spec for group in self._tensor_groups() for spec in group]
+
+    def _tensor_groups(self):
+        """The model-wide tensors, then one list per layer (checked a layer at a time, so a file
+        claiming 1024 layers fails at its first missing tensor without listing them all)."""
+        out = [("token_embd.weight", (self.d_model, self.vocab)), ("output_norm.weight", (self.d_model,))]
+        if not self.tied_head:
+            out.append(("output.weight", (self.d_model, self.vocab)))
+        if self.output_bias:
+            out.append(("output.bias", (self.vocab,)))
+        yield out
+        for layer in range(self.num_layers):
+            yield self.layer_tensors(layer)
+
+    # ------------------------------------------------------------------ reading (§1)
+    @classmethod
+    def from_gguf(cls, f: GgufFile) -> "DenseGeometry":
+        arch = f.get_str("general.architecture")
+        if arch not in ARCHS:
+            raise UnsupportedModelError(
+                f"metadata key 'general.architecture': architecture {arch!r} is not supported "
+                f"(supported: {', '.join(ARCHS)})")
+
+        def key(suffix):
+            return f"{arch}.{suffix}"
+
+        d = _count(f, key("embedding_length"))
+        num_heads = _count(f, key("attention.head_count"))
+        if d % num_heads and key("attention.key_length") not in f.fields:
+            _bad(f"metadata key {key('attention.key_length')!r}",
+                 f"missing, and embedding_length {d} is not a multiple of head_count {num_heads}")
+        key_dim = _count(f, key("attention.key_length"), default=d // num_heads)
+        ff_dim = _count(f, key("feed_forward_length"))
+        experts = used = 0
+        if arch in MOE_ARCHS:
+            experts = _count(f, key("expert_count"), hi=MAX_EXPERTS)
+            used = _count(f, key("expert_used_count"), hi=MAX_EXPERTS)
+            if arch == "qwen3moe":
+                ff_dim = _count(f, key("expert_feed_forward_length"), default=max(ff_dim // used, 1))
+            if f.get_int(key("expert_gating_func"), 1) != 1:
+                raise UnsupportedModelError(f"metadata key {key('expert_gating_func')!r}: only softmax "
+                                            "routing (1) is supported")
+        if "token_embd.weight" not in f:
+            _bad("tensor 'token_embd.weight'", "missing")
+        embd = f["token_embd.weight"]
+        if len(embd.ne) != 2 or embd.ne[0] != d:
+            _bad("tensor 'token_embd.weight'", f"ne {list(embd.ne)} disagrees with embedding_length {d}")
+        vocab = _count(f, key("vocab_size"), hi=MAX_VOCAB) if key("vocab_size") in f.fields else embd.ne[1]
+        if not 1 <= vocab <= MAX_VOCAB:
+            _bad("tensor 'token_embd.weight'", f"{vocab} rows (the vocabulary) is out of range (1..{MAX_VOCAB})")
+        tokens = f.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:  # llama.cpp sizes the embedding by it
+            if tokens.item_type != STRING:
+                _bad("metadata key 'tokenizer.ggml.tokens'", "is not an array of strings")
+            if len(tokens.value) != vocab:
+                _bad("metadata key 'tokenizer.ggml.tokens'", f"{len(tokens.value)} tokens for a vocabulary of {vocab}")
+        if arch == "olmoe" and "output.weight" not in f:
+            _bad("tensor 'output.weight'", "missing (olmoe has no tied head)")
+        geometry = cls(
+            arch=arch, num_layers=_count(f, key("block_count"), hi=MAX_LAYERS), d_model=d,
+            ff_dim=ff_dim, num_heads=num_heads,
+            num_kv_heads=_count(f, key("attention.head_count_kv"), default=num_heads),
+            key_dim=key_dim, value_dim=_count(f, key("attention.value_length"), default=key_dim),
+            rope_dims=_count(f, key("rope.dimension_count"), default=key_dim),
+            rope_base=_real(f, key("rope.freq_base"), 10000.0, 1.0, 1e12),
+            rope_freq_scale=_rope_freq_scale(f, arch),
+            rms_eps=_real(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-12, 1.0),
+            vocab=vocab, context_length=_count(f, key("context_length"), hi=MAX_CONTEXT),
+            tied_head="output.weight" not in f,
+            # qwen2 always has them (missing ones are then named); llama files may.
+            qkv_bias=arch == "qwen2" or arch == "llama" and "blk.0.attn_q.bias" in f,
+            output_bias=arch == "qwen2" and "output.bias" in f,
+            num_experts=experts, num_experts_used=used,
+            sliding_window=_count(f, key("attention.sliding_window"), hi=MAX_CONTEXT)
+            if arch == "gemma3" else 0,
+        )
+        geometry._validate(key)
+        geometry._check_tensors(f)
+        return geometry
+
+    def _validate(self, key) -> None:
+        if self.num_heads % self.num_kv_heads:
+            _bad(f"metadata key {key('attention.head_count_kv')!r}",
+                 f"{self.num_kv_heads} does not divide head_count {self.num_heads}")
+        if self.rope_dims % 2 or self.rope_dims > self.key_dim:
+            _bad(f"metadata key {key('rope.dimension_count')!r}",
+                 f"{self.rope_dims} is odd or wider than the head ({self.key_dim})")
+        if self.num_experts_used > self.num_experts:
+            _bad(f"metadata key {key('expert_used_count')!r}",
+                 f"{self.num_experts_used} > expert_count {self.num_experts}")
+
+    def _check_tensors(self, f: GgufFile) -> None:
+        for group in self._tensor_groups():
+            for name, ne in group:
+                if name not in f:
+                    _bad(f"tensor {name!r}", "missing")
+                tensor = f[name]
+                if tensor.ne != ne:
+                    _bad(f"tensor {name!r}", f"ne {list(tensor.ne)} disagrees with the metadata (expected {list(ne)})")
+                require_supported(tensor.type, f"tensor {name!r}")
+                if len(ne) == 1 and tensor.type.name != "F32":
+                    raise UnsupportedModelError(f"tensor {name!r}: a {tensor.type.name} vector (norms and biases "
+                                                "must be F32)")
+        used = {name for name, _ in self.tensors()}  # each one is in the file now: bounded by it
+        for name in f.tensors:
+            if name not in used:
+                raise UnsupportedModelError(f"tensor {name!r}: not part of the {self.arch} graph this engine "
+                                            "implements")
+
+
+def _count(f: GgufFile, key: str, lo: int = 1, hi: int = MAX_DIM, default=REQUIRED) -> int:
+    """An integer key in [lo, hi]; per-layer arrays (a few models vary widths by layer) are refused."""
+    entry = f.fields.get(key)
+    if entry is not None and entry.type == ARRAY:
+        raise UnsupportedModelError(f"metadata key {key!r}: per-layer values are not supported")
+    value = f.get_int(key, default)
+    if not lo <= value <= hi:
+        _bad(f"metadata key {key!r}", f"{value} is out of range ({lo}..{hi})")
+    return value
+
+
+def _real(f: GgufFile, key: str, default: float, lo: float, hi: float) -> float:
+    value = f.get_float(key, default)
+    if not lo <= value <= hi:  # NaN fails both comparisons
+        _bad(f"metadata key {key!r}", f"{value} is out of range ({lo:g}..{hi:g})")
+    return value
+
+
+def _rope_freq_scale(f: GgufFile, arch: str) -> float:
+    """1 / factor, as llama.cpp reads it: rope.scale_linear, else rope.scaling.factor (0 = none)."""
+    kind = f.get_str(f"{arch}.rope.scaling.type", "linear")
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedModelError(f"metadata key '{arch}.rope.scaling.type': {kind!r} RoPE scaling is not "
+                                    f"supported (supported: {', '.join(ROPE_SCALINGS)})")
+    factor_key = f"{arch}.rope.scale_linear"
+    if factor_key not in f.fields:
+        factor_key = f"{arch}.rope.scaling.factor"
+    factor = f.get_float(factor_key, 0.0)
+    if factor == 0.0:
+        return 1.0
+    if not 1e-3 <= factor <= 1e6:
+        _bad(f"metadata key {factor_key!r}", f"{factor} is out of range (0 or 0.001..1e6)")
+    return 1.0 / factor
