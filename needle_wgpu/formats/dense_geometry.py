@@ -62,6 +62,16 @@ class DenseGeometry:
 
     # ------------------------------------------------------------------ derived (§1, §3)
     @property
+    def head_rows(self) -> int:
+        """Rows of the head (logits per position): the vocabulary."""
+        return self.vocab
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest context a session may ask for (the file's context_length)."""
+        return self.context_length
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.key_dim
 

@@ -228,6 +228,11 @@ class GgufFile:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def metadata(self) -> dict:
+        """Every metadata key with a plain Python value (number arrays as lists)."""
+        return {key: entry.value.tolist() if isinstance(entry.value, memoryview) else entry.value
+                for key, entry in self.fields.items()}
+
     def get(self, key: str, default=None):
         entry = self.fields.get(key)
         return default if entry is None else entry.value
