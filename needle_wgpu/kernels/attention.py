@@ -12,9 +12,7 @@ Reference functions: ``reference.ops.causal_conv``, ``reference.attention.positi
 
 from __future__ import annotations
 
-import math
-import struct
-
+from ..constants import inv_sqrt, pio2_parts, rope_frequencies
 from ..errors import DeviceLimitError, UnsupportedModelError
 from ..formats.geometry import Needle3Geometry
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
@@ -30,40 +28,6 @@ STORAGE_OFFSET_ALIGN = 256  # WebGPU's minStorageBufferOffsetAlignment default (
 DEFAULT_CHUNK = 64  # the largest prefill chunk a cache is sized for (models.needle3.PREFILL_CHUNK)
 
 
-def _f32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
-
-
-def rope_frequencies(head_dim: int, theta: float) -> list:
-    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, each step rounded to f32 (§4.5 item 7).
-
-    The power is evaluated in double and rounded once, i.e. the correctly rounded f32 powf;
-    this equals ``reference.ops.rope_frequencies`` on the shipped and fixture geometries (the
-    tests check it). A libm powf that is not correctly rounded can differ by one ulp elsewhere.
-    """
-    out = []
-    for i in range(head_dim // 2):
-        exponent = _f32(_f32(2 * i) / head_dim)
-        out.append(_f32(1.0 / _f32(_f32(theta) ** exponent)))
-    return out
-
-
-def _round_bits(value: float, bits: int) -> float:
-    mantissa, exponent = math.frexp(value)
-    return math.ldexp(round(mantissa * (1 << bits)), exponent - bits)
-
-
-def pio2_parts() -> tuple:
-    """π/2 as three 8-bit parts plus an f32 remainder, for the Cody-Waite angle reduction.
-
-    k·part is exact in f32 for k < 2^16, so a RoPE angle below 2^16 reduces to [-π/4, π/4]
-    with an absolute error near 1e-7 (qkv_post.wgsl, ``rope_cos_sin``).
-    """
-    rest, parts = math.pi / 2, []
-    for _ in range(3):
-        parts.append(_round_bits(rest, 8))
-        rest -= parts[-1]
-    return (*parts, _f32(rest))
 
 
 class KvCache:
@@ -171,7 +135,7 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry
     cap = -(-width // THREADS) * THREADS
     if 4 * (cap + MAX_VECTORS + 3 * MAX_FREQS) > WORKGROUP_BYTES:
         raise UnsupportedModelError(f"qkv_post: q+k+v = {width} floats exceed the workgroup memory")
-    freqs = rope_frequencies(g.qk_head_dim, g.rope_theta)
+    freqs = list(rope_frequencies(g.qk_head_dim, g.rope_theta))
     freqs += [0.0] * (MAX_FREQS - len(freqs))
     fp16, (q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at) = _layer_fp16(fp16_store, g, layer)
     params = arena.add(g.num_heads, g.num_kv_heads, g.qk_head_dim, g.v_head_dim,
@@ -214,7 +178,7 @@ def attention(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometr
     params = arena.add(g.num_heads, g.num_kv_heads, g.qk_head_dim, g.v_head_dim, cache.span, cache.slots,
                        q_stride or g.q_dim, qkvg_stride or width + g.attn_out, width, o_stride or g.attn_out,
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
-                       _f32(1.0 / math.sqrt(g.qk_head_dim)), 0, 0, 0)
+                       inv_sqrt(g.qk_head_dim), 0, 0, 0)
     key = KernelKey("attention", consts=(("INT8", int8), ("VCOLS", vcols), ("QK_DIM", g.qk_head_dim),
                                           ("K_ROW", cache.k_row)))
     plan.add(key, [params, step, q, cache.buffer, qkvg, o], (g.num_heads, positions), label=f"attention {layer}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import constants
 from . import cq
 from .ops import F32, dot_rows, head_norm, rope, sigmoid, zc_rms_norm
 
@@ -80,7 +81,7 @@ def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarra
     heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
-    inv_sqrt = F32(1.0 / np.sqrt(head_dim))
+    inv_sqrt = F32(constants.inv_sqrt(head_dim))
     out = [dot_rows(_softmax(dot_rows(grouped[kv], keys[:, kv]) * inv_sqrt), values[:, kv].T)
            for kv in range(kv_heads)]
     return np.concatenate(out, axis=0)
@@ -97,7 +98,7 @@ def attend_one_int8(q: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray, 
     heads, head_dim = q.shape
     kv_heads = keys_i8.shape[1]
     grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
-    inv_sqrt = F32(1.0 / np.sqrt(head_dim))
+    inv_sqrt = F32(constants.inv_sqrt(head_dim))
     out = []
     for kv in range(kv_heads):
         scores = dot_rows(grouped[kv], keys_i8[:, kv].astype(F32)) * key_scales[:, kv] * inv_sqrt

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import constants
+
 F32 = np.float32
 EPS = F32(1e-6)  # §3: one epsilon everywhere, always inside the square root
 SINKHORN_ITERATIONS = 20
@@ -128,16 +130,29 @@ def fwht(x: np.ndarray, group: int) -> np.ndarray:
         a, b = blocks[:, :, 0, :], blocks[:, :, 1, :]
         v = np.stack((a + b, a - b), axis=2).reshape(-1, group)
         h *= 2
-    return (v * F32(1.0 / np.sqrt(group))).reshape(*lead, x.shape[-1])
+    return (v * F32(constants.inv_sqrt(group))).reshape(*lead, x.shape[-1])
 
 
 # ---------------------------------------------------------------------------- RoPE
 
 
 def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
-    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, computed in f32 (§4.5 item 7)."""
-    exponents = np.arange(0, head_dim, 2, dtype=F32) / F32(head_dim)
-    return F32(1) / np.power(F32(theta), exponents, dtype=F32)
+    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, each step in f32 (§4.5 item 7).
+
+    The table of ``needle_wgpu.constants`` (the one the GPU ops upload): NumPy's f32 power is
+    one ulp off on some CPUs, and RoPE at far positions would turn that into a parity failure.
+    """
+    return np.array(constants.rope_frequencies(head_dim, theta), dtype=F32)
+
+
+def cos_sin(angles: np.ndarray) -> tuple:
+    """cos and sin of f32 angles, evaluated in float64 and rounded to f32 once.
+
+    NumPy's f32 sin/cos differ by an ulp between SIMD paths; the float64 values rounded once
+    are the correctly rounded f32 results on every CPU (up to double-rounding ties).
+    """
+    wide = np.asarray(angles, dtype=np.float64)
+    return np.cos(wide).astype(F32), np.sin(wide).astype(F32)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
@@ -148,7 +163,8 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     """
     half = x.shape[-1] // 2
     angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(x.shape[-1], theta)
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]  # broadcast over heads
+    cos, sin = cos_sin(angles)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     first, second = x[..., :half], x[..., half:]
     return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
 
