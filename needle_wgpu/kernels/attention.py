@@ -285,3 +285,55 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
                                           ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row)))
     gates = gate if sh.gate else q
     plan.add(key, [params, step, q, cache.buffer, gates, o], (sh.heads, positions), label=label)
+
+
+ROPE_CODES = {"none": 0, "adjacent": 1, "neox": 2}
+NORM_CODES = {"none": 0, "head": 1, "full": 2}
+
+
+def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv, q_out, cache: KvCache,
+            positions: int, vectors=None, q_norm_at: int = 0, k_norm_at: int = 0, q_bias_at: int = 0,
+            k_bias_at: int = 0, v_bias_at: int = 0, qkv_stride: int | None = None, q_offset: int = 0,
+            k_offset: int | None = None, v_offset: int | None = None, q_stride: int | None = None,
+            label: str = "qk_rope") -> None:
+    """The dense family's q/k/v after the projections (dense §3): biases, q/k norm, RoPE at the
+    absolute position, q out and K/V into the f32 cache. Reference: ``reference.dense_attention
+    .position_heads``.
+
+    Per position p = pos0 + t and head: x += bias (``shape.bias``: qwen2); q and k normed as
+    ``shape.norm`` ("head": x·w/rms per head with [qk] weights, qwen3/gemma3; "full": the rms
+    over all of q or k, weights [H·qk] / [KV·qk], OLMoE; eps ``shape.eps``); RoPE of the first
+    ``shape.rope_dims`` dims of each q/k head in ``shape.rope`` pairing ("adjacent": llama
+    GGUFs, "neox": qwen2/qwen3/gemma3) with ``shape.frequencies()``; v only biased.
+
+    Bindings (``qk_rope.wgsl``): 0 params (uniform, with the RoPE frequencies), 1 ``step``
+    (uniform Step, pos0), 2 ``qkv`` f32 [T][qkv_stride] (q at ``q_offset``, k at ``k_offset``,
+    v at ``v_offset`` floats; defaults: one q | k | v row), 3 ``vectors`` f32 holding the
+    layer's norm weights and biases at the given float offsets (``qkv`` is bound again when the
+    shape has neither), 4 ``q_out`` f32 [T][q_stride], 5 the f32 cache buffer (see
+    ``KvCache``). Workgroups: (H + 2·KV, T), 64 invocations. Requires positions below 2^16
+    when RoPE is on (the angle reduction).
+    """
+    sh = shape
+    if sh.norm == "zc" or sh.conv_taps:
+        raise UnsupportedModelError("qk_rope: Needle 3 shapes (conv, ZCRMSNorm) use qkv_post")
+    if cache.int8:
+        raise UnsupportedModelError(f"qk_rope: {cache.name} is int8; dense layers use an f32 cache")
+    sh.check()
+    cache.check_chunk(positions)
+    if sh.rope != "none" and cache.context > MAX_ROPE_POSITION:
+        raise UnsupportedModelError(f"qk_rope: context {cache.context} exceeds {MAX_ROPE_POSITION} (RoPE reduction)")
+    needs_vectors = sh.bias or sh.norm != "none"
+    if needs_vectors and vectors is None:
+        raise ValueError(f"{label}: the shape has biases or norms but no vectors buffer was given")
+    k_offset = sh.q_width if k_offset is None else k_offset
+    v_offset = k_offset + sh.k_width if v_offset is None else v_offset
+    params = arena.add(qkv_stride or sh.q_width + sh.k_width + sh.v_width, q_offset, k_offset, v_offset,
+                       q_stride or sh.q_width, cache.slots, cache.k_at, cache.v_at,
+                       q_norm_at, k_norm_at, q_bias_at, k_bias_at, v_bias_at, float(sh.eps), 0, 0,
+                       *sh.frequencies())
+    consts = (("HEADS", sh.heads), ("KV_HEADS", sh.kv_heads), ("QK_DIM", sh.qk_dim), ("V_DIM", sh.v_dim),
+              ("ROPE", ROPE_CODES[sh.rope]), ("ROPE_HALF", sh.rope_dims // 2), ("NORM", NORM_CODES[sh.norm]),
+              ("BIAS", sh.bias), *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())))
+    bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer]
+    plan.add(KernelKey("qk_rope", consts=consts), bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)

@@ -36,6 +36,12 @@ def _inv_rms(x: np.ndarray) -> np.ndarray:
     return F32(1) / np.sqrt(mean_square + EPS)
 
 
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of the dense family (dense §3): x · (1/sqrt(mean(x²) + eps)) · w, as ggml orders it."""
+    mean_square = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    return (x * (F32(1) / np.sqrt(mean_square + F32(eps)))) * weight
+
+
 def rms_unit(x: np.ndarray) -> np.ndarray:
     """rms_unit(x) = x · 1/sqrt(mean(x²) + ε), no learned scale (§3)."""
     return x * _inv_rms(x)
@@ -61,6 +67,24 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """silu(x) = x · σ(x) (§0 item 9)."""
     return x * sigmoid(x)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(g) · u with silu(g) = g / (1 + e^(−g)) (dense §3, the dense FFN)."""
+    with np.errstate(over="ignore"):  # e^(−g) → inf for g < −88: silu → −0, as on the GPU
+        return (gate / (F32(1) + np.exp(-gate))) * up
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """gelu(g) = 0.5·g·(1 + tanh(sqrt(2/π)·(g + 0.044715·g³))) (dense §3, Gemma 3)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        inner = F32(constants.GELU_TANH_SCALE) * (x + F32(constants.GELU_TANH_CUBIC) * (x * x * x))
+        return F32(0.5) * x * (F32(1) + np.tanh(inner))
+
+
+def gelu_gated(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu(g) · u, Gemma 3's FFN activation (dense §3)."""
+    return gelu_tanh(gate) * up
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -167,6 +191,31 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     first, second = x[..., :half], x[..., half:]
     return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
+
+
+def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, style: str) -> np.ndarray:
+    """RoPE of the first ``dims`` elements of each head (dense §3); the rest pass through.
+
+    style "neox" pairs (x_j, x_{j+dims/2}), "adjacent" pairs (x_{2j}, x_{2j+1}) (llama GGUFs);
+    (a, b) ← (a·c − b·s, a·s + b·c), angle = f32(p)·f_j, f = constants.rope_frequencies(dims, base).
+    x is [T, heads, head_dim].
+    """
+    if dims == 0:
+        return x.copy()
+    half = dims // 2
+    angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(dims, base)
+    cos, sin = cos_sin(angles)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = np.array(x, dtype=F32)
+    if style == "neox":
+        a, b = x[..., :half], x[..., half:dims]
+        out[..., :half], out[..., half:dims] = a * cos - b * sin, a * sin + b * cos
+    elif style == "adjacent":
+        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
+        out[..., 0:dims:2], out[..., 1:dims:2] = a * cos - b * sin, a * sin + b * cos
+    else:
+        raise ValueError(f"rope style {style!r}")
+    return out
 
 
 # ---------------------------------------------------------------------------- convolutions
