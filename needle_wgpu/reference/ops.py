@@ -185,12 +185,7 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     x is [T, heads, head_dim] and positions [T] the absolute positions (BOS is 0). Element i
     pairs with i + head_dim/2: (x_i, x_j) ← (x_i·c − x_j·s, x_j·c + x_i·s), angle = f32(t)·f_i.
     """
-    half = x.shape[-1] // 2
-    angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(x.shape[-1], theta)
-    cos, sin = cos_sin(angles)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
+    return rope_pairs(x, positions, theta, x.shape[-1], "neox")
 
 
 def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, style: str) -> np.ndarray:
@@ -205,7 +200,7 @@ def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, sty
     half = dims // 2
     angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(dims, base)
     cos, sin = cos_sin(angles)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     out = np.array(x, dtype=F32)
     if style == "neox":
         a, b = x[..., :half], x[..., half:dims]
