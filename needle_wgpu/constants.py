@@ -28,7 +28,7 @@ def f32(value: float) -> float:
 
 
 @lru_cache(maxsize=64)
-def rope_frequencies(dims: int, base: float) -> tuple:
+def rope_frequencies(dims: int, base: float, scale: float = 1.0) -> tuple:
     """f_i = 1 / base^(2i / dims) for i < dims/2, each step in f32 (Needle 3 §4.5 item 7,
     dense §3: theta_j = pos · base^(−2j/n_dims)).
 
@@ -36,12 +36,15 @@ def rope_frequencies(dims: int, base: float) -> tuple:
     float64 ``math.pow`` rounded once), then an f32 reciprocal: the f32 formula of the specs
     (and of HF's ``1 / base ** (arange(0, dims, 2).float() / dims)``) without its libm's ulps.
     ``dims`` is the rotary width (head_dim, or rope.dimension_count for partial rotary).
+    ``scale``: linear RoPE scaling (1 / rope.scaling.factor; angle = (p·scale)·f_j), folded
+    into the table as f32(f_j·scale); 1 leaves the table as it is.
     """
     base32 = f32(base)
     out = []
     for i in range(dims // 2):
         exponent = f32(f32(2 * i) / dims)
-        out.append(f32(1.0 / f32(math.pow(base32, exponent))))
+        frequency = f32(1.0 / f32(math.pow(base32, exponent)))
+        out.append(frequency if scale == 1.0 else f32(frequency * scale))
     return tuple(out)
 
 

@@ -61,6 +61,12 @@ def test_rope_frequencies_are_correctly_rounded(base):
         assert list(constants.rope_frequencies(dims, base)) == exact_frequencies(dims, base), dims
 
 
+def test_linear_rope_scaling_folds_into_the_table():
+    plain, scaled = constants.rope_frequencies(64, 1e6), constants.rope_frequencies(64, 1e6, 0.125)
+    assert scaled == tuple(constants.f32(f * 0.125) for f in plain) and scaled != plain
+    assert constants.rope_frequencies(64, 1e6, 1.0) == plain
+
+
 def test_reference_and_kernels_share_the_tables():
     for dims, base in ((48, 100000.0), (10, 10000.0), (64, 1e6), (128, 1e6), (32, 500000.0)):
         table = constants.rope_frequencies(dims, base)

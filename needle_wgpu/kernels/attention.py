@@ -42,7 +42,8 @@ class AttentionShape:
       whole causal past (global layers).
     - ``rope``: "neox" pairs (x_j, x_{j+R/2}), "adjacent" pairs (x_{2j}, x_{2j+1}) (llama
       GGUFs), "none"; R = ``rotary_dims`` (None: qk_dim), dims >= R are not rotated;
-      f_j = ``constants.rope_frequencies(R, rope_base)``.
+      f_j = ``constants.rope_frequencies(R, rope_base, rope_scale)`` (``rope_scale``: linear
+      scaling, 1 / rope.scaling.factor).
     - ``scale``: the score scale (f32); None: 1/sqrt(qk_dim).
     - ``norm`` of q and k: "zc" (Needle 3: (1 + s)·x / sqrt(mean(x²) + eps), one [qk] vector
       shared by the heads), "head" (x·w / rms per head, [qk] weights: qwen3, gemma3), "full"
@@ -59,6 +60,7 @@ class AttentionShape:
     rope: str = "neox"
     rotary_dims: int | None = None
     rope_base: float = 10000.0
+    rope_scale: float = 1.0
     scale: float | None = None
     norm: str = "none"
     eps: float = 1e-6
@@ -105,7 +107,7 @@ class AttentionShape:
 
     def frequencies(self) -> list:
         """The RoPE inverse frequencies, padded to the Params struct's MAX_FREQS."""
-        freqs = list(rope_frequencies(self.rope_dims, self.rope_base))
+        freqs = list(rope_frequencies(self.rope_dims, self.rope_base, self.rope_scale))
         return freqs + [0.0] * (MAX_FREQS - len(freqs))
 
     def check(self) -> None:

@@ -32,6 +32,6 @@ def position_heads(shape, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions
     if sh.norm == "head":
         qh, kh = rms_norm(qh, q_norm, sh.eps), rms_norm(kh, k_norm, sh.eps)
     if sh.rope != "none":
-        qh = rope_pairs(qh, positions, sh.rope_base, sh.rope_dims, sh.rope)
-        kh = rope_pairs(kh, positions, sh.rope_base, sh.rope_dims, sh.rope)
+        qh = rope_pairs(qh, positions, sh.rope_base, sh.rope_dims, sh.rope, sh.rope_scale)
+        kh = rope_pairs(kh, positions, sh.rope_base, sh.rope_dims, sh.rope, sh.rope_scale)
     return qh, kh, v.reshape(T, sh.kv_heads, sh.v_dim)

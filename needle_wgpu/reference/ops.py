@@ -188,17 +188,19 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return rope_pairs(x, positions, theta, x.shape[-1], "neox")
 
 
-def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, style: str) -> np.ndarray:
+def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, style: str,
+               scale: float = 1.0) -> np.ndarray:
     """RoPE of the first ``dims`` elements of each head (dense §3); the rest pass through.
 
     style "neox" pairs (x_j, x_{j+dims/2}), "adjacent" pairs (x_{2j}, x_{2j+1}) (llama GGUFs);
-    (a, b) ← (a·c − b·s, a·s + b·c), angle = f32(p)·f_j, f = constants.rope_frequencies(dims, base).
-    x is [T, heads, head_dim].
+    (a, b) ← (a·c − b·s, a·s + b·c), angle = f32(p)·f_j, f = constants.rope_frequencies(dims, base,
+    scale) (``scale``: linear RoPE scaling folded into the table). x is [T, heads, head_dim].
     """
     if dims == 0:
         return x.copy()
     half = dims // 2
-    angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(dims, base)
+    table = np.array(constants.rope_frequencies(dims, base, scale), dtype=F32)
+    angles = np.asarray(positions, dtype=F32)[:, None] * table
     cos, sin = cos_sin(angles)
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     out = np.array(x, dtype=F32)

@@ -28,6 +28,7 @@ SHAPES = {
     "partial-adjacent": AttentionShape(2, 1, 20, 20, rope="adjacent", rotary_dims=12, eps=1e-5),
     "olmoe": AttentionShape(4, 2, 16, 16, norm="full"),
     "gemma3": AttentionShape(4, 1, 256, 256, norm="head", scale=1 / 16),
+    "gemma3-global": AttentionShape(4, 1, 64, 64, rope_base=1e6, rope_scale=0.125, norm="head", scale=1 / 8),
     "no-rope": AttentionShape(2, 2, 8, 8, rope="none", bias=True),
 }
 
