@@ -1,10 +1,11 @@
-// Causal GQA attention with the elementwise output gate (spec §4.5 items 8-9, §6 item 1), one
-// workgroup per (query head hq, position t), p = pos0 + t, kv head = hq / (H / KV):
+// Causal GQA attention, with Needle 3's elementwise output gate or plain (Needle 3 §4.5 items
+// 8-9, §6 item 1; dense §3), one workgroup per (query head hq, position t), p = pos0 + t,
+// kv head = hq / (H / KV):
 //
-//   s_n = (q · k_n) / sqrt(qk)                     f32 cache
-//   s_n = ((q · k8_n) · k_scale_n) / sqrt(qk)      int8 cache (q is the A8 query, §6 item 1)
+//   s_n = (q · k_n) · scale                        f32 cache (scale = 1/sqrt(qk) unless the
+//   s_n = ((q · k8_n) · k_scale_n) · scale         int8 cache  family says otherwise)
 //   o   = Σ_n softmax(s)_n · v_n   (int8: weights softmax_n · v_scale_n times the i8 values)
-//   out[t][hq·vd + j] = o_j · σ(g_j),   g = the gate part of qkvg (offset gate_offset)
+//   out[t][hq·vd + j] = o_j · σ(g_j) with GATE (g: the gate rows at gate_offset), else o_j
 //
 // over n in [lo, p], lo = p + 1 - span when p + 1 > span, else 0 (span = the sliding window, or
 // the whole context for global layers). Key n lives in cache slot n mod cache_slots; the
@@ -20,8 +21,8 @@
 // [slots][KV][vd] at v_at as f32 bits; int8 mode rows of k_row / v_row words holding 4 signed
 // bytes each (element e in byte e % 4) and f32 scales [slots][KV] at k_scale_at / v_scale_at.
 //
-// Constants: INT8 (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW (words per int8 K
-// row). Loop bounds are constants: lavapipe recompiles a shader at every dispatch whose control
+// Constants: INT8 (bool), GATE (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW (words
+// per int8 K row). Loop bounds are constants: lavapipe recompiles a shader at every dispatch whose control
 // flow depends on uniform values alone.
 
 struct Params {
@@ -32,8 +33,8 @@ struct Params {
   span: u32,          // keys visible from a query, itself included
   cache_slots: u32,
   q_stride: u32,      // floats between positions in q
-  qkvg_stride: u32,   // floats between positions in qkvg
-  gate_offset: u32,   // float offset of the gate inside a qkvg row (q + k + v widths)
+  gate_stride: u32,   // floats between positions in gates
+  gate_offset: u32,   // float offset of the gate inside a gates row (Needle 3: q + k + v widths)
   o_stride: u32,      // floats between positions in o
   k_at: u32,          // word offsets into cache
   v_at: u32,
@@ -41,7 +42,7 @@ struct Params {
   v_scale_at: u32,
   k_row: u32,         // words per (slot, kv head) row
   v_row: u32,
-  inv_sqrt: f32,      // f32 of 1 / sqrt(qk)
+  scale: f32,         // the score scale (f32 of 1 / sqrt(qk) by default)
   _pad0: u32,
   _pad1: u32,
   _pad2: u32,
@@ -53,7 +54,7 @@ struct Params {
 @group(0) @binding(1) var<uniform> chunk: Step;
 @group(0) @binding(2) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read> cache: array<u32>;
-@group(0) @binding(4) var<storage, read> qkvg: array<f32>;
+@group(0) @binding(4) var<storage, read> gates: array<f32>;  // q again without GATE
 @group(0) @binding(5) var<storage, read_write> o: array<f32>;
 
 const THREADS: u32 = 256u;
@@ -86,13 +87,13 @@ fn score(row: u32) -> f32 {
         }
       }
     }
-    return (dot * bitcast<f32>(cache[params.k_scale_at + row])) * params.inv_sqrt;
+    return (dot * bitcast<f32>(cache[params.k_scale_at + row])) * params.scale;
   }
   let base = params.k_at + row * params.k_row;
   for (var i = 0u; i < qk; i++) {
     dot += query[i] * bitcast<f32>(cache[base + i]);
   }
-  return dot * params.inv_sqrt;
+  return dot * params.scale;
 }
 
 fn value(row: u32, j: u32) -> f32 {
@@ -191,7 +192,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
       total += weights[k * VCOLS + lid];
     }
     let attended = total * (1.0 / reduction[0]);
-    let gate = qkvg[t * params.qkvg_stride + params.gate_offset + hq * vd + lid];
-    o[t * params.o_stride + hq * vd + lid] = attended * (1.0 / (1.0 + exp(-gate)));
+    if (GATE) {
+      let gate = gates[t * params.gate_stride + params.gate_offset + hq * vd + lid];
+      o[t * params.o_stride + hq * vd + lid] = attended * (1.0 / (1.0 + exp(-gate)));
+    } else {
+      o[t * params.o_stride + hq * vd + lid] = attended;
+    }
   }
 }

@@ -64,7 +64,6 @@ const THREADS: u32 = 256u;
 const MAX_VECTORS: u32 = 256u;  // H + 2·KV head vectors
 const MAX_HALF: u32 = 128u;     // qk / 2
 const EPS: f32 = 1e-6;
-const TWO_OVER_PI: f32 = 0.636619772;
 
 var<workgroup> qkv: array<f32, CAP>;                  // the position's q, k, v (q+k+v floats)
 var<workgroup> per_vector: array<f32, MAX_VECTORS>;   // norm denominators, then int8 scales
@@ -72,27 +71,7 @@ var<workgroup> angle: array<f32, MAX_HALF>;
 var<workgroup> cos_table: array<f32, MAX_HALF>;
 var<workgroup> sin_table: array<f32, MAX_HALF>;
 
-// (cos, sin) of an angle in [0, 2^16): Cody-Waite reduction by π/2 (the first three products
-// k·PIO2_n are exact), then Taylor polynomials on |r| <= π/4. Built-in sin/cos are only
-// accurate near [-π, π] on some GPUs, and RoPE angles reach the context length.
-fn rope_cos_sin(a: f32) -> vec2<f32> {
-  let k = floor(a * TWO_OVER_PI + 0.5);
-  var r = a - k * PIO2_1;
-  r = r - k * PIO2_2;
-  r = r - k * PIO2_3;
-  r = r - k * PIO2_4;
-  let r2 = r * r;
-  let s = r + r * r2 * (-1.0 / 6.0 + r2 * (1.0 / 120.0 + r2 * (-1.0 / 5040.0 + r2 * (1.0 / 362880.0
-          + r2 * (-1.0 / 39916800.0)))));
-  let c = 1.0 + r2 * (-0.5 + r2 * (1.0 / 24.0 + r2 * (-1.0 / 720.0 + r2 * (1.0 / 40320.0
-          + r2 * (-1.0 / 3628800.0 + r2 * (1.0 / 479001600.0))))));
-  switch (u32(k) & 3u) {
-    case 0u: { return vec2<f32>(c, s); }
-    case 1u: { return vec2<f32>(-s, c); }
-    case 2u: { return vec2<f32>(-c, -s); }
-    default: { return vec2<f32>(s, -c); }
-  }
-}
+//#include rope_cos_sin.wgsl
 
 // v with the low 12 significand bits cleared: products of two such halves are exact in f32.
 fn split_high(v: f32) -> f32 {

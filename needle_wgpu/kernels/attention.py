@@ -1,9 +1,12 @@
-"""Attention on the GPU (spec §4.5 items 4-9, §6 items 1-2): qkv_post, attention, KvCache.
+"""Attention on the GPU: AttentionShape, KvCache, qkv_post (Needle 3), attention (both families).
 
-Per layer and chunk the model runs ``qkv_post`` (qkvg -> conv, per-head norm, RoPE; q out,
-K/V into the layer's ``KvCache``, raw q/k/v into the layer's ring) then ``attention`` (q, cache,
-the gate part of qkvg -> o = attention ⊙ σ(g)). Prefill chunks and decode steps (T = 1) use the
-same two kernels, so a position's K/V and output do not depend on how the sequence was chunked.
+Ops take an ``AttentionShape``, plain numbers each family builds for a layer (Needle 3:
+``needle3_shape(geometry, layer)``; the dense family from its GGUF config), never a family's
+geometry. Per layer and chunk Needle 3 runs ``qkv_post`` (qkvg -> conv, per-head norm, RoPE; q
+out, K/V into the layer's ``KvCache``, raw q/k/v into the layer's ring) then ``attention`` (q,
+cache, the gate part of qkvg -> o = attention ⊙ σ(g)). Prefill chunks and decode steps (T = 1)
+use the same kernels, so a position's K/V and output do not depend on how the sequence was
+chunked.
 
 Reference functions: ``reference.ops.causal_conv``, ``reference.attention.position_heads``
 (head_norm + rope), ``reference.ops.fake_quant`` / ``quantize_rows`` (int8 mode),
@@ -12,13 +15,11 @@ Reference functions: ``reference.ops.causal_conv``, ``reference.attention.positi
 
 from __future__ import annotations
 
-import math
-import struct
+from dataclasses import dataclass
 
+from ..constants import inv_sqrt, pio2_parts, rope_frequencies
 from ..errors import DeviceLimitError, UnsupportedModelError
-from ..formats.geometry import Needle3Geometry
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
-from .params import Fp16Store
 
 THREADS = 256
 MAX_HEAD_DIM = 256  # q/k and v head widths: one workgroup array each
@@ -29,48 +30,108 @@ WORKGROUP_BYTES = 16384
 STORAGE_OFFSET_ALIGN = 256  # WebGPU's minStorageBufferOffsetAlignment default (and maximum)
 DEFAULT_CHUNK = 64  # the largest prefill chunk a cache is sized for (models.needle3.PREFILL_CHUNK)
 
+ROPE_STYLES = ("none", "adjacent", "neox")
+NORM_KINDS = ("none", "zc", "head", "full")
 
-def _f32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """One layer's attention in plain numbers: what qkv_post / qk_rope, attention and KvCache read.
 
-def rope_frequencies(head_dim: int, theta: float) -> list:
-    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, each step rounded to f32 (§4.5 item 7).
-
-    The power is evaluated in double and rounded once, i.e. the correctly rounded f32 powf;
-    this equals ``reference.ops.rope_frequencies`` on the shipped and fixture geometries (the
-    tests check it). A libm powf that is not correctly rounded can differ by one ulp elsewhere.
+    - ``window``: keys a query at p sees, itself included (p - window < s <= p); None: the
+      whole causal past (global layers).
+    - ``rope``: "neox" pairs (x_j, x_{j+R/2}), "adjacent" pairs (x_{2j}, x_{2j+1}) (llama
+      GGUFs), "none"; R = ``rotary_dims`` (None: qk_dim), dims >= R are not rotated;
+      f_j = ``constants.rope_frequencies(R, rope_base, rope_scale)`` (``rope_scale``: linear
+      scaling, 1 / rope.scaling.factor).
+    - ``scale``: the score scale (f32); None: 1/sqrt(qk_dim).
+    - ``norm`` of q and k: "zc" (Needle 3: (1 + s)·x / sqrt(mean(x²) + eps), one [qk] vector
+      shared by the heads), "head" (x·w / rms per head, [qk] weights: qwen3, gemma3), "full"
+      (x·w / rms over all heads at once, [H·qk] / [KV·qk] weights: OLMoE) or "none".
+    - ``bias``: q/k/v biases (qwen2); ``gate``: o ⊙ σ(g) (Needle 3); ``conv_taps``: the causal
+      conv of q/k/v (Needle 3).
     """
-    out = []
-    for i in range(head_dim // 2):
-        exponent = _f32(_f32(2 * i) / head_dim)
-        out.append(_f32(1.0 / _f32(_f32(theta) ** exponent)))
-    return out
+
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    window: int | None = None
+    rope: str = "neox"
+    rotary_dims: int | None = None
+    rope_base: float = 10000.0
+    rope_scale: float = 1.0
+    scale: float | None = None
+    norm: str = "none"
+    eps: float = 1e-6
+    bias: bool = False
+    gate: bool = False
+    conv_taps: int = 0
+
+    def __post_init__(self):
+        if self.rope not in ROPE_STYLES or self.norm not in NORM_KINDS:
+            raise ValueError(f"AttentionShape: rope {self.rope!r} / norm {self.norm!r} "
+                             f"(one of {ROPE_STYLES} / {NORM_KINDS})")
+        if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"AttentionShape: {self.heads} query heads over {self.kv_heads} kv heads")
+        if self.rotary_dims is not None and not (0 <= self.rotary_dims <= self.qk_dim and self.rotary_dims % 2 == 0):
+            raise ValueError(f"AttentionShape: rotary_dims {self.rotary_dims} of a {self.qk_dim}-wide head")
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.qk_dim
+
+    @property
+    def k_width(self) -> int:
+        return self.kv_heads * self.qk_dim
+
+    @property
+    def v_width(self) -> int:
+        return self.kv_heads * self.v_dim
+
+    @property
+    def out_width(self) -> int:
+        """Floats of one position's attention output (H · v_dim)."""
+        return self.heads * self.v_dim
+
+    @property
+    def rope_dims(self) -> int:
+        """Rotated dims per head (0 without RoPE)."""
+        if self.rope == "none":
+            return 0
+        return self.qk_dim if self.rotary_dims is None else self.rotary_dims
+
+    @property
+    def score_scale(self) -> float:
+        return inv_sqrt(self.qk_dim) if self.scale is None else self.scale
+
+    def frequencies(self) -> list:
+        """The RoPE inverse frequencies, padded to the Params struct's MAX_FREQS."""
+        freqs = list(rope_frequencies(self.rope_dims, self.rope_base, self.rope_scale))
+        return freqs + [0.0] * (MAX_FREQS - len(freqs))
+
+    def check(self) -> None:
+        """What the kernels support (raised at load by the family, and again at plan build)."""
+        if self.qk_dim > MAX_HEAD_DIM or self.v_dim > MAX_HEAD_DIM:
+            raise UnsupportedModelError(f"attention: head widths {self.qk_dim}/{self.v_dim} (at most {MAX_HEAD_DIM})")
+        if self.heads + 2 * self.kv_heads > MAX_VECTORS:
+            raise UnsupportedModelError(f"attention: {self.heads} + 2·{self.kv_heads} heads (at most {MAX_VECTORS})")
 
 
-def _round_bits(value: float, bits: int) -> float:
-    mantissa, exponent = math.frexp(value)
-    return math.ldexp(round(mantissa * (1 << bits)), exponent - bits)
-
-
-def pio2_parts() -> tuple:
-    """π/2 as three 8-bit parts plus an f32 remainder, for the Cody-Waite angle reduction.
-
-    k·part is exact in f32 for k < 2^16, so a RoPE angle below 2^16 reduces to [-π/4, π/4]
-    with an absolute error near 1e-7 (qkv_post.wgsl, ``rope_cos_sin``).
-    """
-    rest, parts = math.pi / 2, []
-    for _ in range(3):
-        parts.append(_round_bits(rest, 8))
-        rest -= parts[-1]
-    return (*parts, _f32(rest))
+def needle3_shape(geometry, layer: int) -> AttentionShape:
+    """Needle 3's layer as an AttentionShape (§4.5 items 4-9): conv, shared ZCRMSNorm, NeoX RoPE
+    over the whole head, 1/sqrt(qk) scores, the sliding window on local layers, the σ gate."""
+    g = geometry
+    return AttentionShape(heads=g.num_heads, kv_heads=g.num_kv_heads, qk_dim=g.qk_head_dim, v_dim=g.v_head_dim,
+                          window=None if g.is_global(layer) else g.attention_span(layer), rope="neox",
+                          rope_base=g.rope_theta, norm="zc", gate=True, conv_taps=g.qkv_conv_taps)
 
 
 class KvCache:
     """One layer's K/V cache on the GPU (§6 item 1): one u32 storage buffer.
 
-    ``slots``: the context for global layers; for local ones min(span + chunk - 1, context),
-    span = the sliding window. A chunk writes its K/V before attending, so the ring needs
+    ``slots``: the context for global layers (``shape.window`` None); for local ones
+    min(span + chunk - 1, context), span = the window. A chunk writes its K/V before attending, so the ring needs
     chunk - 1 slots beyond the window: no key a query of the chunk still sees is overwritten.
     Position p lives in slot p mod slots.
 
@@ -81,13 +142,12 @@ class KvCache:
     ``k_scale_at`` and of V at ``v_scale_at``.
     """
 
-    def __init__(self, device: Device, geometry: Needle3Geometry, layer: int, context: int, int8: bool = False,
-                 chunk: int = DEFAULT_CHUNK):
-        g = geometry
-        self.layer, self.context, self.int8, self.chunk = layer, context, bool(int8), chunk
-        self.kv_heads, self.qk_dim, self.v_dim = g.num_kv_heads, g.qk_head_dim, g.v_head_dim
-        self.span = g.attention_span(layer)
-        self.slots = context if g.is_global(layer) else min(self.span + chunk - 1, context)
+    def __init__(self, device: Device, shape: AttentionShape, context: int, int8: bool = False,
+                 chunk: int = DEFAULT_CHUNK, name: str = "kv_cache"):
+        self.name, self.context, self.int8, self.chunk = name, context, bool(int8), chunk
+        self.kv_heads, self.qk_dim, self.v_dim = shape.kv_heads, shape.qk_dim, shape.v_dim
+        self.span = context if shape.window is None else shape.window
+        self.slots = context if shape.window is None else min(self.span + chunk - 1, context)
         rows = self.slots * self.kv_heads
         if self.int8:
             self.k_row, self.v_row = -(-self.qk_dim // 4), -(-self.v_dim // 4)
@@ -99,7 +159,7 @@ class KvCache:
         self.v_scale_at = self.k_scale_at + (rows if self.int8 else 0)
         self.words = self.v_scale_at + (rows if self.int8 else 0)
         mode = "int8" if self.int8 else "f32"
-        self.buffer = device.buffer(4 * self.words, label=f"kv_cache.{layer}.{mode}", kind="kv")
+        self.buffer = device.buffer(4 * self.words, label=f"{name}.{mode}", kind="kv")
 
     @property
     def nbytes(self) -> int:
@@ -109,24 +169,18 @@ class KvCache:
     def check_chunk(self, positions: int) -> None:
         """Refuse chunks longer than this cache was sized for (a local ring would lose keys)."""
         if self.slots < min(self.span + positions - 1, self.context):
-            raise DeviceLimitError(f"kv_cache.{self.layer}: {self.slots} slots cannot take chunks of {positions} "
+            raise DeviceLimitError(f"{self.name}: {self.slots} slots cannot take chunks of {positions} "
                                    f"with a window of {self.span} (make the cache with chunk >= {positions})")
 
 
-def _check_heads(g: Needle3Geometry) -> None:
-    if g.qk_head_dim > MAX_HEAD_DIM or g.v_head_dim > MAX_HEAD_DIM:
-        raise UnsupportedModelError(f"attention: head widths {g.qk_head_dim}/{g.v_head_dim} (at most {MAX_HEAD_DIM})")
-    if g.num_heads + 2 * g.num_kv_heads > MAX_VECTORS:
-        raise UnsupportedModelError(f"attention: {g.num_heads} + 2·{g.num_kv_heads} heads (at most {MAX_VECTORS})")
-
-
-def _layer_fp16(store: Fp16Store, g: Needle3Geometry, layer: int) -> tuple:
+def _layer_fp16(store, shape: AttentionShape, layer: int) -> tuple:
     """The range of the FP16 buffer holding this layer's taps and q/k norms, and their half
     offsets inside it: binding only that range keeps qkv_post within any storage-binding limit."""
-    counts = {"q_norm": g.qk_head_dim, "k_norm": g.qk_head_dim}
-    if g.qkv_conv_taps:
-        counts.update(q_taps=g.qkv_conv_taps * g.q_dim, k_taps=g.qkv_conv_taps * g.k_dim,
-                      v_taps=g.qkv_conv_taps * g.v_dim)
+    sh = shape
+    counts = {"q_norm": sh.qk_dim, "k_norm": sh.qk_dim}
+    if sh.conv_taps:
+        counts.update(q_taps=sh.conv_taps * sh.q_width, k_taps=sh.conv_taps * sh.k_width,
+                      v_taps=sh.conv_taps * sh.v_width)
     at = {name: store.offset(f"layers.{layer}.{name}") for name in counts}
     begin = 2 * min(at.values()) // STORAGE_OFFSET_ALIGN * STORAGE_OFFSET_ALIGN
     end = -(-2 * max(at[n] + counts[n] for n in at) // 4) * 4
@@ -134,17 +188,26 @@ def _layer_fp16(store: Fp16Store, g: Needle3Geometry, layer: int) -> tuple:
     return Binding(store.buffer, begin, end - begin), relative
 
 
-def qkv_post(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, layer: int, fp16_store: Fp16Store,
+def _cache_mode(op: str, cache: KvCache, int8: bool | None) -> bool:
+    int8 = cache.int8 if int8 is None else bool(int8)
+    if int8 != cache.int8:
+        raise ValueError(f"{op}: int8={int8} but {cache.name} is {'int8' if cache.int8 else 'f32'}")
+    return int8
+
+
+def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp16_store, layer: int,
              qkvg, ring, ring_size: int, q_out, cache: KvCache, positions: int, int8: bool | None = None,
              qkvg_stride: int | None = None, q_stride: int | None = None) -> None:
-    """Conv, per-head norm and RoPE of one chunk; q out, K/V into the cache (§4.5 items 4-7, §6).
+    """Needle 3's conv, per-head norm and RoPE of one chunk; q out, K/V into the cache (§4.5
+    items 4-7, §6). ``shape``: ``needle3_shape(geometry, layer)``; ``fp16_store`` (an
+    ``Fp16Store``) holds ``layers.{layer}.{q,k,v}_taps`` and ``q_norm`` / ``k_norm``.
 
-    For p = pos0 + t: x' = causal conv of the raw rows (taps ``layers.{l}.{q,k,v}_taps``
-    [taps][dim], identity when the geometry has 0 taps; rows before 0 are zero), q and k per
-    head ZCRMSNorm (division form, one ``q_norm`` / ``k_norm`` vector for all heads) then RoPE at
-    the absolute position p; v only convolved. int8 mode: q is fake-quantised per head (A8,
-    §4.9 item 4) and K, V are quantised per (slot, kv head) as ``reference.ops.quantize_rows``
-    (IEEE division, round half to even; the shader emulates the correctly rounded division).
+    For p = pos0 + t: x' = causal conv of the raw rows (taps [taps][dim], identity when the
+    shape has 0 taps; rows before 0 are zero), q and k per head ZCRMSNorm (division form, one
+    ``q_norm`` / ``k_norm`` vector for all heads) then NeoX RoPE at the absolute position p; v
+    only convolved. int8 mode: q is fake-quantised per head (A8, §4.9 item 4) and K, V are
+    quantised per (slot, kv head) as ``reference.ops.quantize_rows`` (IEEE division, round half
+    to even; the shader emulates the correctly rounded division).
 
     Bindings (``qkv_post.wgsl``): 0 params (uniform, with the f32 RoPE frequencies), 1 ``step``
     (uniform Step, pos0), 2 ``qkvg`` f32 [T][qkvg_stride] (raw q | k | v | gate; read), 3 the
@@ -155,30 +218,29 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry
     Requires ring_size >= T + taps - 1 (no slot this chunk reads is written by it) and
     positions below 2^16 (the angle reduction).
     """
-    g = geometry
-    int8 = cache.int8 if int8 is None else bool(int8)
-    if int8 != cache.int8:
-        raise ValueError(f"qkv_post: int8={int8} but kv_cache.{layer} is {'int8' if cache.int8 else 'f32'}")
-    _check_heads(g)
+    sh = shape
+    if (sh.norm, sh.rope, sh.rope_dims, sh.bias) != ("zc", "neox", sh.qk_dim, False):
+        raise UnsupportedModelError(f"qkv_post: Needle 3 shapes only (norm {sh.norm}, rope {sh.rope}); "
+                                    "dense layers use qk_rope")
+    int8 = _cache_mode("qkv_post", cache, int8)
+    sh.check()
     cache.check_chunk(positions)
-    taps = g.qkv_conv_taps
+    taps = sh.conv_taps
     if ring_size < positions + max(taps, 1) - 1:
         raise DeviceLimitError(f"qkv ring of {ring_size} slots is too small for chunks of {positions} "
                                f"(needs T + taps - 1 = {positions + max(taps, 1) - 1})")
     if cache.context > MAX_ROPE_POSITION:
         raise UnsupportedModelError(f"qkv_post: context {cache.context} exceeds {MAX_ROPE_POSITION} (RoPE reduction)")
-    width = g.q_dim + g.k_dim + g.v_dim
+    width = sh.q_width + sh.k_width + sh.v_width
     cap = -(-width // THREADS) * THREADS
     if 4 * (cap + MAX_VECTORS + 3 * MAX_FREQS) > WORKGROUP_BYTES:
         raise UnsupportedModelError(f"qkv_post: q+k+v = {width} floats exceed the workgroup memory")
-    freqs = rope_frequencies(g.qk_head_dim, g.rope_theta)
-    freqs += [0.0] * (MAX_FREQS - len(freqs))
-    fp16, (q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at) = _layer_fp16(fp16_store, g, layer)
-    params = arena.add(g.num_heads, g.num_kv_heads, g.qk_head_dim, g.v_head_dim,
-                       qkvg_stride or width + g.attn_out, taps, ring_size, cache.slots, q_stride or g.q_dim,
+    fp16, (q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at) = _layer_fp16(fp16_store, sh, layer)
+    params = arena.add(sh.heads, sh.kv_heads, sh.qk_dim, sh.v_dim,
+                       qkvg_stride or width + sh.out_width, taps, ring_size, cache.slots, q_stride or sh.q_width,
                        q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at,
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
-                       0, 0, 0, 0, *freqs)
+                       0, 0, 0, 0, *sh.frequencies())
     parts = pio2_parts()
     key = KernelKey("qkv_post", consts=(("CAP", cap), ("INT8", int8), *((f"PIO2_{i + 1}", v) for i, v in
                                                                         enumerate(parts))))
@@ -186,35 +248,94 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry
              label=f"qkv_post {layer}")
 
 
-def attention(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, layer: int, q, cache: KvCache,
-              qkvg, o, positions: int, int8: bool | None = None, q_stride: int | None = None,
-              qkvg_stride: int | None = None, o_stride: int | None = None) -> None:
-    """o[t][hq·vd + j] = attention(q_t, hq)_j · σ(g_t[hq·vd + j]) (§4.5 items 8-9, §6 item 1).
+def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q, cache: KvCache, o,
+              positions: int, gate=None, gate_stride: int | None = None, gate_offset: int | None = None,
+              int8: bool | None = None, q_stride: int | None = None, o_stride: int | None = None,
+              label: str = "attention") -> None:
+    """Causal GQA attention of one chunk: o[t][hq·vd + j] = attention(q_t, hq)_j, times
+    σ(g[t][gate_offset + hq·vd + j]) when ``shape.gate`` (Needle 3 §4.5 items 8-9, §6 item 1;
+    dense §3).
 
     Query head hq of position p = pos0 + t reads kv head hq // (H / KV) over the keys
-    n in [max(0, p + 1 - span), p] (span = sliding window on local layers, the whole context on
-    global ones) at cache slot n mod slots; scores q·k / sqrt(qk) (int8: (q·k8)·k_scale /
-    sqrt(qk)), max-subtracted softmax (online over blocks of 256 keys, so any span works within
-    4 KiB of workgroup memory), values weighted by the softmax (int8: times v_scale, then the i8
-    values). g is the gate part of the qkvg row, at offset q + k + v widths.
+    n in [max(0, p + 1 - span), p] (span = ``shape.window``, or the whole context) at cache slot
+    n mod slots; scores (q·k)·scale (int8: ((q·k8)·k_scale)·scale; scale =
+    ``shape.score_scale``), max-subtracted softmax (online over blocks of 256 keys, so any span
+    works within 4 KiB of workgroup memory), values weighted by the softmax (int8: times
+    v_scale, then the i8 values).
 
     Bindings (``attention.wgsl``): 0 params, 1 ``step`` (uniform Step), 2 ``q`` f32
-    [T][q_stride] (qkv_post's output), 3 the cache buffer, 4 ``qkvg`` f32 [T][qkvg_stride],
-    5 ``o`` f32 [T][o_stride]. Workgroups: (H, T), 256 invocations. Constants: INT8, VCOLS
-    (v head width rounded up to a power of two).
+    [T][q_stride] (qkv_post's / qk_rope's output), 3 the cache buffer, 4 ``gate`` f32
+    [T][gate_stride] (Needle 3: the qkvg rows, gate at offset q + k + v widths, the defaults;
+    without a gate, ``q`` is bound again and never read), 5 ``o`` f32 [T][o_stride].
+    Workgroups: (H, T), 256 invocations. Constants: INT8, GATE, VCOLS (v head width rounded up
+    to a power of two), QK_DIM, K_ROW.
     """
-    g = geometry
-    int8 = cache.int8 if int8 is None else bool(int8)
-    if int8 != cache.int8:
-        raise ValueError(f"attention: int8={int8} but kv_cache.{layer} is {'int8' if cache.int8 else 'f32'}")
-    _check_heads(g)
+    sh = shape
+    int8 = _cache_mode("attention", cache, int8)
+    sh.check()
     cache.check_chunk(positions)
-    width = g.q_dim + g.k_dim + g.v_dim
-    vcols = 1 << max(0, (g.v_head_dim - 1).bit_length())
-    params = arena.add(g.num_heads, g.num_kv_heads, g.qk_head_dim, g.v_head_dim, cache.span, cache.slots,
-                       q_stride or g.q_dim, qkvg_stride or width + g.attn_out, width, o_stride or g.attn_out,
+    if sh.gate and gate is None:
+        raise ValueError("attention: a gated shape needs the gate rows")
+    width = sh.q_width + sh.k_width + sh.v_width
+    vcols = 1 << max(0, (sh.v_dim - 1).bit_length())
+    params = arena.add(sh.heads, sh.kv_heads, sh.qk_dim, sh.v_dim, cache.span, cache.slots,
+                       q_stride or sh.q_width, gate_stride or width + sh.out_width,
+                       width if gate_offset is None else gate_offset, o_stride or sh.out_width,
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
-                       _f32(1.0 / math.sqrt(g.qk_head_dim)), 0, 0, 0)
-    key = KernelKey("attention", consts=(("INT8", int8), ("VCOLS", vcols), ("QK_DIM", g.qk_head_dim),
-                                          ("K_ROW", cache.k_row)))
-    plan.add(key, [params, step, q, cache.buffer, qkvg, o], (g.num_heads, positions), label=f"attention {layer}")
+                       sh.score_scale, 0, 0, 0)
+    key = KernelKey("attention", consts=(("INT8", int8), ("GATE", sh.gate), ("VCOLS", vcols),
+                                          ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row)))
+    gates = gate if sh.gate else q
+    plan.add(key, [params, step, q, cache.buffer, gates, o], (sh.heads, positions), label=label)
+
+
+ROPE_CODES = {"none": 0, "adjacent": 1, "neox": 2}
+NORM_CODES = {"none": 0, "head": 1, "full": 2}
+
+
+def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv, q_out, cache: KvCache,
+            positions: int, vectors=None, q_norm_at: int = 0, k_norm_at: int = 0, q_bias_at: int = 0,
+            k_bias_at: int = 0, v_bias_at: int = 0, qkv_stride: int | None = None, q_offset: int = 0,
+            k_offset: int | None = None, v_offset: int | None = None, q_stride: int | None = None,
+            label: str = "qk_rope") -> None:
+    """The dense family's q/k/v after the projections (dense §3): biases, q/k norm, RoPE at the
+    absolute position, q out and K/V into the f32 cache. Reference: ``reference.dense_attention
+    .position_heads``.
+
+    Per position p = pos0 + t and head: x += bias (``shape.bias``: qwen2); q and k normed as
+    ``shape.norm`` ("head": x·w/rms per head with [qk] weights, qwen3/gemma3; "full": the rms
+    over all of q or k, weights [H·qk] / [KV·qk], OLMoE; eps ``shape.eps``); RoPE of the first
+    ``shape.rope_dims`` dims of each q/k head in ``shape.rope`` pairing ("adjacent": llama
+    GGUFs, "neox": qwen2/qwen3/gemma3) with ``shape.frequencies()``; v only biased.
+
+    Bindings (``qk_rope.wgsl``): 0 params (uniform, with the RoPE frequencies), 1 ``step``
+    (uniform Step, pos0), 2 ``qkv`` f32 [T][qkv_stride] (q at ``q_offset``, k at ``k_offset``,
+    v at ``v_offset`` floats; defaults: one q | k | v row), 3 ``vectors`` f32 holding the
+    layer's norm weights and biases at the given float offsets (``qkv`` is bound again when the
+    shape has neither), 4 ``q_out`` f32 [T][q_stride], 5 the f32 cache buffer (see
+    ``KvCache``). Workgroups: (H + 2·KV, T), 64 invocations. Requires positions below 2^16
+    when RoPE is on (the angle reduction).
+    """
+    sh = shape
+    if sh.norm == "zc" or sh.conv_taps:
+        raise UnsupportedModelError("qk_rope: Needle 3 shapes (conv, ZCRMSNorm) use qkv_post")
+    if cache.int8:
+        raise UnsupportedModelError(f"qk_rope: {cache.name} is int8; dense layers use an f32 cache")
+    sh.check()
+    cache.check_chunk(positions)
+    if sh.rope != "none" and cache.context > MAX_ROPE_POSITION:
+        raise UnsupportedModelError(f"qk_rope: context {cache.context} exceeds {MAX_ROPE_POSITION} (RoPE reduction)")
+    needs_vectors = sh.bias or sh.norm != "none"
+    if needs_vectors and vectors is None:
+        raise ValueError(f"{label}: the shape has biases or norms but no vectors buffer was given")
+    k_offset = sh.q_width if k_offset is None else k_offset
+    v_offset = k_offset + sh.k_width if v_offset is None else v_offset
+    params = arena.add(qkv_stride or sh.q_width + sh.k_width + sh.v_width, q_offset, k_offset, v_offset,
+                       q_stride or sh.q_width, cache.slots, cache.k_at, cache.v_at,
+                       q_norm_at, k_norm_at, q_bias_at, k_bias_at, v_bias_at, float(sh.eps), 0, 0,
+                       *sh.frequencies())
+    consts = (("HEADS", sh.heads), ("KV_HEADS", sh.kv_heads), ("QK_DIM", sh.qk_dim), ("V_DIM", sh.v_dim),
+              ("ROPE", ROPE_CODES[sh.rope]), ("ROPE_HALF", sh.rope_dims // 2), ("NORM", NORM_CODES[sh.norm]),
+              ("BIAS", sh.bias), *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())))
+    bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer]
+    plan.add(KernelKey("qk_rope", consts=consts), bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)

@@ -5,10 +5,10 @@ Reference functions: ``needle_wgpu.reference.cq.prepare_input`` and ``matmul_pre
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 
+from ..constants import inv_sqrt, ternary_level
 from ..errors import DeviceLimitError, UnsupportedModelError
 from ..formats.cact import TERNARY, CactFile
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
@@ -27,7 +27,7 @@ def levels_bytes(cact: CactFile) -> bytes:
         table = list(cact.levels(bits))
         out += struct.pack("<16f", *(table + [0.0] * (16 - len(table))))
     group = next(t.group for t in cact.tensors.values() if t.is_cq)
-    c = 1.2240064 / math.sqrt(group)
+    c = ternary_level(group)
     # crumb 0 -> 0, 1 -> +c, 2 -> invalid (0, as the Rust reader does), 3 -> -c
     out += struct.pack("<16f", 0.0, c, 0.0, -c, *([0.0] * 12))
     return bytes(out)
@@ -35,7 +35,7 @@ def levels_bytes(cact: CactFile) -> bytes:
 
 def fwht_scale(group: int) -> float:
     """The f32 value of 1/sqrt(G) (§3), rounded once on the host."""
-    return struct.unpack("<f", struct.pack("<f", 1.0 / math.sqrt(group)))[0]
+    return inv_sqrt(group)
 
 
 @dataclass

@@ -7,9 +7,9 @@ for ``final_norm``.
 
 from __future__ import annotations
 
-import math
 import struct
 
+from .. import constants
 from ..formats.geometry import Needle3Geometry
 from ..gpu.device import Binding, KernelKey, Plan, UniformArena
 from .cq import CODE_BITS, LEVEL_BASE, CQPack, fwht_scale
@@ -45,7 +45,7 @@ def embed(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, p
     key = KernelKey("embed", entry=entry, consts=(
         ("CODE_BITS", CODE_BITS[pack.bits]), ("LEVEL_BASE", LEVEL_BASE[pack.bits]), ("GROUP", pack.group),
         ("CAP", workgroup_cap(pack.in_pad)), ("FWHT_SCALE", fwht_scale(pack.group))))
-    scale = f32(math.sqrt(g.d_model))  # the f32 of sqrt(d), correctly rounded (§4.1)
+    scale = constants.sqrt(g.d_model)  # the f32 of sqrt(d), correctly rounded (§4.1)
     for piece in pack.slices:
         params = arena.add(g.d_model, g.mhc_lanes, g.vocab, pack.in_pad, pack.row_words, pack.groups,
                            piece.rows * pack.row_words, piece.first, piece.rows, (g.num_layers + 1) * g.d_model,

@@ -11,16 +11,13 @@ from __future__ import annotations
 import math
 import struct
 
+from ..constants import inv_sqrt, ternary_level
 from ..formats.cact import CQ, CactFile
 from ..gpu.device import Plan, UniformArena
 from . import cq
 from .cq import fwht_scale
 
 CONFIDENCE = 2
-
-
-def f32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def pool_reset_bytes(probes: int, d: int) -> bytes:
@@ -32,7 +29,7 @@ def pool_reset_bytes(probes: int, d: int) -> bytes:
 def pool(plan: Plan, arena: UniformArena, *, scores, cells, state, d: int, positions: int, probes: int,
          per_cell: int, cells_count: int) -> None:
     """Fold the chunk's scores [T][C·k] and cells [T][C][d] into the pool state (§7 step 1)."""
-    params = arena.add(d, positions, probes, per_cell, cells_count * d, f32(1.0 / math.sqrt(d)), 0, 0)
+    params = arena.add(d, positions, probes, per_cell, cells_count * d, inv_sqrt(d), 0, 0)
     plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state], (probes,), label="probe_pool")
 
 
@@ -40,7 +37,7 @@ def dequantize_row(container: CactFile, name: str, row: int) -> list:
     """One CQ row as floats (§5.4) in pure Python: level·norm per group, then the FWHT."""
     t = container[name]
     assert t.dtype == CQ
-    levels = container.levels(t.bits) or (-1.2240064 / math.sqrt(t.group), 0.0, 1.2240064 / math.sqrt(t.group))
+    levels = container.levels(t.bits) or (-ternary_level(t.group), 0.0, ternary_level(t.group))
     table = list(levels) if t.bits != 5 else [0.0, levels[2], 0.0, levels[0]]
     codes = bytes(t.codes[row * t.row_bytes : (row + 1) * t.row_bytes])
     norms = struct.unpack_from(f"<{t.num_groups}e", t.norms, row * t.num_groups * 2)

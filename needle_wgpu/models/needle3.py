@@ -161,7 +161,8 @@ class Needle3Session(ChunkedSession):
             self.scores = dev.buffer(F32 * T * head.probe_rows, label="scores", kind="scratch")
             self.pool = dev.buffer(F32 * head.probe_rows * (g.d_model + 2), label="probe_pool", kind="session",
                                    data=probe_ops.pool_reset_bytes(head.probe_rows, g.d_model))
-        self.caches = [attention_ops.KvCache(dev, g, i, self.context, self.int8, chunk=T) for i in range(g.num_layers)]
+        self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
+                                             chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
 
     # ------------------------------------------------------------------ plans
     def _build(self, key: PlanKey) -> Plan:
@@ -206,11 +207,12 @@ class Needle3Session(ChunkedSession):
                             lanes_n=n, width=d, group=G, positions=T, engram=gate)
             cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
                       y_stride=qkvg_width)
-            attention_ops.qkv_post(plan, arena, step, geometry=g, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
+            shape = attention_ops.needle3_shape(g, layer)
+            attention_ops.qkv_post(plan, arena, step, shape=shape, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
                                    ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
                                    cache=self.caches[layer], positions=T, int8=self.int8)
-            attention_ops.attention(plan, arena, step, geometry=g, layer=layer, q=self.q, cache=self.caches[layer],
-                                    qkvg=self.qkvg, o=self.o, positions=T, int8=self.int8)
+            attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer],
+                                    gate=self.qkvg, o=self.o, positions=T, int8=self.int8, label=f"attention {layer}")
             cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
                       x_stride=_pad(g.attn_out, G), y_stride=d)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import constants
 from . import cq
 from .ops import F32, dot_rows, head_norm, rope, sigmoid, zc_rms_norm
 
@@ -71,16 +72,16 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
     return e * (F32(1) / np.sum(e, axis=-1, keepdims=True))
 
 
-def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float | None = None) -> np.ndarray:
     """One query position over exactly its visible keys (§4.5 item 8).
 
     q [H, hd], keys [n, KV, hd], values [n, KV, vd] → [H, vd]. Query head hq reads kv head
-    ⌊hq / (H/KV)⌋; score = q·k / sqrt(hd); o = Σ_n softmax_n(score)·v_n.
+    ⌊hq / (H/KV)⌋; score = (q·k)·scale (default the f32 of 1/sqrt(hd)); o = Σ_n softmax_n(score)·v_n.
     """
     heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
-    inv_sqrt = F32(1.0 / np.sqrt(head_dim))
+    inv_sqrt = F32(constants.inv_sqrt(head_dim) if scale is None else scale)
     out = [dot_rows(_softmax(dot_rows(grouped[kv], keys[:, kv]) * inv_sqrt), values[:, kv].T)
            for kv in range(kv_heads)]
     return np.concatenate(out, axis=0)
@@ -97,7 +98,7 @@ def attend_one_int8(q: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray, 
     heads, head_dim = q.shape
     kv_heads = keys_i8.shape[1]
     grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
-    inv_sqrt = F32(1.0 / np.sqrt(head_dim))
+    inv_sqrt = F32(constants.inv_sqrt(head_dim))
     out = []
     for kv in range(kv_heads):
         scores = dot_rows(grouped[kv], keys_i8[:, kv].astype(F32)) * key_scales[:, kv] * inv_sqrt
@@ -107,18 +108,20 @@ def attend_one_int8(q: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray, 
 
 
 def attend(q: np.ndarray, query_positions: np.ndarray, entries: tuple, key_positions: np.ndarray,
-           span: int, int8: bool = False) -> np.ndarray:
+           span: int, int8: bool = False, scale: float | None = None) -> np.ndarray:
     """Attention of T query positions (§4.5 item 8, §6 item 1): q [T, H, hd] → [T, H, vd].
 
     `entries` are the cached per-position arrays, aligned with `key_positions`: (keys, values)
     in f32, or (keys_i8, key_scales, values_i8, value_scales) with `int8`. Each query reads
     exactly its visible keys, so a position's result does not depend on what else is batched.
+    ``scale``: the f32 score scale of an f32 cache (default 1/sqrt(hd); dense §3 lets the family
+    choose it).
     """
-    one = attend_one_int8 if int8 else attend_one
     rows = []
     for t in range(q.shape[0]):
         sees = visible(query_positions[t : t + 1], key_positions, span)[0]
-        rows.append(one(q[t], *(entry[sees] for entry in entries)))
+        seen = tuple(entry[sees] for entry in entries)
+        rows.append(attend_one_int8(q[t], *seen) if int8 else attend_one(q[t], *seen, scale=scale))
     width = entries[-2].shape[-1] if int8 else entries[-1].shape[-1]
     return np.stack(rows) if rows else np.zeros((0, q.shape[1], width), F32)
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import constants
 from ..formats import cact
 from .ops import F32, dot_rows, fwht
 
-TERNARY_LEVEL = 1.2240064  # §5.2, before the 1/sqrt(G) scale
+TERNARY_LEVEL = constants.TERNARY_LEVEL  # §5.2, before the 1/sqrt(G) scale
 
 
 def level_table(bits: int, group: int, codebook_levels) -> np.ndarray:
@@ -26,7 +27,7 @@ def level_table(bits: int, group: int, codebook_levels) -> np.ndarray:
     as 0 as in Rust; c = 1.2240064 / sqrt(G).
     """
     if bits == cact.TERNARY:
-        c = F32(TERNARY_LEVEL) / F32(np.sqrt(group))
+        c = F32(constants.ternary_level(group))
         return np.array([0.0, c, 0.0, -c], dtype=F32)
     levels = np.asarray(codebook_levels, dtype=F32)
     if levels.shape != (1 << bits,):

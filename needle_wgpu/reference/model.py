@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import constants
 from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats import cact
 from . import attention, cq, engram, mhc
@@ -144,7 +145,7 @@ class ReferenceModel:
         """x0 = E[min(τ, vocab−1)] · sqrt(d), the scale an f32 sqrt (§4.1, §0 item 1)."""
         g = self.geometry
         rows = np.minimum(tokens.astype(np.int64), g.vocab - 1)
-        return cq.dequantize_rows(self.weights.embedding, rows) * np.sqrt(F32(g.d_model))
+        return cq.dequantize_rows(self.weights.embedding, rows) * F32(constants.sqrt(g.d_model))
 
     def output_logits(self, lane_means: np.ndarray) -> np.ndarray:
         """logits = E[:rows]·ZCRMSNorm(x̄; final_norm), the tied head without the sqrt(d) (§4.8)."""

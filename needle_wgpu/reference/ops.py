@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import constants
+
 F32 = np.float32
 EPS = F32(1e-6)  # §3: one epsilon everywhere, always inside the square root
 SINKHORN_ITERATIONS = 20
@@ -32,6 +34,12 @@ def _inv_rms(x: np.ndarray) -> np.ndarray:
     """1 / sqrt(mean(x²) + ε) over the last axis, kept as a trailing axis of length 1 (§3)."""
     mean_square = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
     return F32(1) / np.sqrt(mean_square + EPS)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of the dense family (dense §3): x · (1/sqrt(mean(x²) + eps)) · w, as ggml orders it."""
+    mean_square = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    return (x * (F32(1) / np.sqrt(mean_square + F32(eps)))) * weight
 
 
 def rms_unit(x: np.ndarray) -> np.ndarray:
@@ -59,6 +67,24 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """silu(x) = x · σ(x) (§0 item 9)."""
     return x * sigmoid(x)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(g) · u with silu(g) = g / (1 + e^(−g)) (dense §3, the dense FFN)."""
+    with np.errstate(over="ignore"):  # e^(−g) → inf for g < −88: silu → −0, as on the GPU
+        return (gate / (F32(1) + np.exp(-gate))) * up
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """gelu(g) = 0.5·g·(1 + tanh(sqrt(2/π)·(g + 0.044715·g³))) (dense §3, Gemma 3)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        inner = F32(constants.GELU_TANH_SCALE) * (x + F32(constants.GELU_TANH_CUBIC) * (x * x * x))
+        return F32(0.5) * x * (F32(1) + np.tanh(inner))
+
+
+def gelu_gated(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu(g) · u, Gemma 3's FFN activation (dense §3)."""
+    return gelu_tanh(gate) * up
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -128,16 +154,29 @@ def fwht(x: np.ndarray, group: int) -> np.ndarray:
         a, b = blocks[:, :, 0, :], blocks[:, :, 1, :]
         v = np.stack((a + b, a - b), axis=2).reshape(-1, group)
         h *= 2
-    return (v * F32(1.0 / np.sqrt(group))).reshape(*lead, x.shape[-1])
+    return (v * F32(constants.inv_sqrt(group))).reshape(*lead, x.shape[-1])
 
 
 # ---------------------------------------------------------------------------- RoPE
 
 
 def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
-    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, computed in f32 (§4.5 item 7)."""
-    exponents = np.arange(0, head_dim, 2, dtype=F32) / F32(head_dim)
-    return F32(1) / np.power(F32(theta), exponents, dtype=F32)
+    """f_i = 1 / theta^(2i / head_dim) for i < head_dim/2, each step in f32 (§4.5 item 7).
+
+    The table of ``needle_wgpu.constants`` (the one the GPU ops upload): NumPy's f32 power is
+    one ulp off on some CPUs, and RoPE at far positions would turn that into a parity failure.
+    """
+    return np.array(constants.rope_frequencies(head_dim, theta), dtype=F32)
+
+
+def cos_sin(angles: np.ndarray) -> tuple:
+    """cos and sin of f32 angles, evaluated in float64 and rounded to f32 once.
+
+    NumPy's f32 sin/cos differ by an ulp between SIMD paths; the float64 values rounded once
+    are the correctly rounded f32 results on every CPU (up to double-rounding ties).
+    """
+    wide = np.asarray(angles, dtype=np.float64)
+    return np.cos(wide).astype(F32), np.sin(wide).astype(F32)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
@@ -146,11 +185,34 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     x is [T, heads, head_dim] and positions [T] the absolute positions (BOS is 0). Element i
     pairs with i + head_dim/2: (x_i, x_j) ← (x_i·c − x_j·s, x_j·c + x_i·s), angle = f32(t)·f_i.
     """
-    half = x.shape[-1] // 2
-    angles = np.asarray(positions, dtype=F32)[:, None] * rope_frequencies(x.shape[-1], theta)
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]  # broadcast over heads
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate((first * cos - second * sin, second * cos + first * sin), axis=-1)
+    return rope_pairs(x, positions, theta, x.shape[-1], "neox")
+
+
+def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, style: str,
+               scale: float = 1.0) -> np.ndarray:
+    """RoPE of the first ``dims`` elements of each head (dense §3); the rest pass through.
+
+    style "neox" pairs (x_j, x_{j+dims/2}), "adjacent" pairs (x_{2j}, x_{2j+1}) (llama GGUFs);
+    (a, b) ← (a·c − b·s, a·s + b·c), angle = f32(p)·f_j, f = constants.rope_frequencies(dims, base,
+    scale) (``scale``: linear RoPE scaling folded into the table). x is [T, heads, head_dim].
+    """
+    if dims == 0:
+        return x.copy()
+    half = dims // 2
+    table = np.array(constants.rope_frequencies(dims, base, scale), dtype=F32)
+    angles = np.asarray(positions, dtype=F32)[:, None] * table
+    cos, sin = cos_sin(angles)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    out = np.array(x, dtype=F32)
+    if style == "neox":
+        a, b = x[..., :half], x[..., half:dims]
+        out[..., :half], out[..., half:dims] = a * cos - b * sin, a * sin + b * cos
+    elif style == "adjacent":
+        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
+        out[..., 0:dims:2], out[..., 1:dims:2] = a * cos - b * sin, a * sin + b * cos
+    else:
+        raise ValueError(f"rope style {style!r}")
+    return out
 
 
 # ---------------------------------------------------------------------------- convolutions

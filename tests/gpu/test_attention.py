@@ -172,7 +172,8 @@ class Runner:
         self.device, self.model, self.layer, self.int8 = device, model, layer, int8
         self.width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         self.ring_size = ring_size or chunk + max(g.qkv_conv_taps, 1) - 1
-        self.cache = ops.KvCache(device, g, layer, context, int8, chunk=chunk)
+        self.shape = ops.needle3_shape(g, layer)
+        self.cache = ops.KvCache(device, self.shape, context, int8, chunk=chunk)
         self.qkvg = device.buffer(4 * chunk * self.width, label="qkvg")
         self.ring = device.buffer(4 * self.ring_size * (g.q_dim + g.k_dim + g.v_dim), label="qkv_ring")
         self.q = device.buffer(4 * chunk * g.q_dim, label="q")
@@ -184,12 +185,12 @@ class Runner:
         if (T, attend) not in self.plans:
             arena, plan = UniformArena(self.device, capacity=1 << 12), Plan(self.device, f"attention T={T}")
             step = Binding(self.step)
-            ops.qkv_post(plan, arena, step, geometry=self.g, layer=self.layer, fp16_store=self.model.store,
+            ops.qkv_post(plan, arena, step, shape=self.shape, layer=self.layer, fp16_store=self.model.store,
                          qkvg=self.qkvg, ring=self.ring, ring_size=self.ring_size, q_out=self.q, cache=self.cache,
                          positions=T, int8=self.int8)
             if attend:
-                ops.attention(plan, arena, step, geometry=self.g, layer=self.layer, q=self.q, cache=self.cache,
-                              qkvg=self.qkvg, o=self.o, positions=T, int8=self.int8)
+                ops.attention(plan, arena, step, shape=self.shape, q=self.q, cache=self.cache,
+                              gate=self.qkvg, o=self.o, positions=T, int8=self.int8)
             self.plans[(T, attend)] = (plan, arena)
         return self.plans[(T, attend)][0]
 
@@ -416,7 +417,7 @@ def test_attention_long_span(device, tiny, layer, int8):
     T, N = 3, 8192
     pos0 = N - T
     positions = np.arange(N)
-    cache = ops.KvCache(device, g, layer, N, int8, chunk=T)
+    cache = ops.KvCache(device, ops.needle3_shape(g, layer), N, int8, chunk=T)
     kept = positions[positions >= N - cache.slots]
     k = rng.normal(size=(N, g.num_kv_heads, g.qk_head_dim)).astype(F32)
     v = rng.normal(size=(N, g.num_kv_heads, g.v_head_dim)).astype(F32)
@@ -433,7 +434,7 @@ def test_attention_long_span(device, tiny, layer, int8):
     o = device.buffer(4 * T * g.attn_out, label="o")
     step = device.buffer(16, label="step", usage="uniform", data=np.array([pos0, 0, 0, 0], np.uint32).tobytes())
     arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, "attention")
-    ops.attention(plan, arena, Binding(step), geometry=g, layer=layer, q=q_buf, cache=cache, qkvg=qkvg, o=o,
+    ops.attention(plan, arena, Binding(step), shape=ops.needle3_shape(g, layer), q=q_buf, cache=cache, gate=qkvg, o=o,
                   positions=T, int8=int8)
     device.run(plan)
     query_positions = pos0 + np.arange(T)
@@ -446,11 +447,11 @@ def test_cache_sizes(device, tiny):
     """Slots per layer and bytes: int8 rows carry one f32 scale per (slot, kv head) (§6 item 1)."""
     g = tiny.geometry
     for layer, int8, slots in ((0, False, 16 + 63), (2, False, 256), (0, True, 16 + 63), (2, True, 256)):
-        cache = ops.KvCache(device, g, layer, 256, int8)
+        cache = ops.KvCache(device, ops.needle3_shape(g, layer), 256, int8)
         assert cache.slots == slots
         per_slot = g.num_kv_heads * ((g.qk_head_dim + g.v_head_dim) // 4 + 2 if int8 else g.qk_head_dim + g.v_head_dim)
         assert cache.nbytes == 4 * slots * per_slot
-    short = ops.KvCache(device, g, 0, 20, False)
+    short = ops.KvCache(device, ops.needle3_shape(g, 0), 20, False)
     assert short.slots == 20  # the context is shorter than window + chunk - 1: no wrap at all
     with pytest.raises(DeviceLimitError):
-        ops.KvCache(device, g, 0, 256, False, chunk=4).check_chunk(8)
+        ops.KvCache(device, ops.needle3_shape(g, 0), 256, False, chunk=4).check_chunk(8)

@@ -1,0 +1,53 @@
+"""Row norms of the dense family (dense spec §3): rms_norm and the fused residual add + rms_norm.
+
+Reference functions: ``reference.ops.rms_norm`` (and a plain f32 add for the residual stream).
+Weights are f32 vectors at float offsets of one ``weights`` buffer (GGUF stores norms as F32).
+"""
+
+from __future__ import annotations
+
+from ..errors import UnsupportedModelError
+from ..gpu.device import KernelKey, Plan, UniformArena
+
+MAX_WIDTH = 1 << 16
+
+
+def _check_width(op: str, width: int) -> None:
+    if not 0 < width <= MAX_WIDTH:
+        raise UnsupportedModelError(f"{op}: row width {width} (1 to {MAX_WIDTH})")
+
+
+def rms_norm(plan: Plan, arena: UniformArena, *, x, weights, y, width: int, positions: int, eps: float,
+             weight_at: int = 0, x_stride: int | None = None, x_offset: int = 0, y_stride: int | None = None,
+             y_offset: int = 0, label: str = "rms_norm") -> None:
+    """y[t] = x[t] · (1/sqrt(mean(x[t]²) + eps)) · w for T = ``positions`` rows of ``width``.
+
+    Bindings (``rms_norm.wgsl``): 0 params, 1 ``x`` f32 [T][x_stride] from float ``x_offset``
+    (read), 2 ``weights`` f32 (w at float ``weight_at``), 3 ``y`` f32 [T][y_stride] from
+    ``y_offset``. Workgroups: (T,), 256 invocations. Constants: WIDTH. ``x_offset`` lets the
+    final norm read only the last row of a chunk.
+    """
+    _check_width(label, width)
+    params = arena.add(x_stride or width, x_offset, y_stride or width, y_offset, weight_at, float(eps), 0, 0)
+    plan.add(KernelKey("rms_norm", consts=(("WIDTH", width),)), [params, x, weights, y], (positions,), label=label)
+
+
+def add_rms_norm(plan: Plan, arena: UniformArena, *, x, residual, weights, y, width: int, positions: int,
+                 eps: float, weight_at: int = 0, residual_weight_at: int | None = None, x_stride: int | None = None,
+                 residual_stride: int | None = None, y_stride: int | None = None,
+                 label: str = "add_rms_norm") -> None:
+    """x[t] += r'[t]; y[t] = rms_norm(x[t]; w): the residual add fused with the next norm.
+
+    r' = ``residual`` as it is, or, with ``residual_weight_at``, RMS-normed first with the
+    weights there (Gemma 3: x1 = x + RMSNorm(attn; post_attention_norm), z = RMSNorm(x1;
+    ffn_norm) in one dispatch). ``x`` is the residual stream, updated in place.
+
+    Bindings (``add_rms_norm.wgsl``): 0 params, 1 ``x`` f32 [T][x_stride] (read_write), 2
+    ``residual`` f32 [T][residual_stride] (read), 3 ``weights`` f32, 4 ``y`` f32 [T][y_stride].
+    Workgroups: (T,), 256 invocations. Constants: WIDTH, RESIDUAL_NORM.
+    """
+    _check_width(label, width)
+    params = arena.add(x_stride or width, residual_stride or width, y_stride or width, weight_at,
+                       residual_weight_at or 0, float(eps), 0, 0)
+    key = KernelKey("add_rms_norm", consts=(("WIDTH", width), ("RESIDUAL_NORM", residual_weight_at is not None)))
+    plan.add(key, [params, x, residual, weights, y], (positions,), label=label)
