@@ -275,6 +275,15 @@ def test_smollm2_decode_after_prefill_equals_the_all_positions_forward(smollm2):
     np.testing.assert_array_equal(np.concatenate(stepped), every)
 
 
+def test_forward_refuses_ids_outside_the_vocabulary(synth_models):
+    from needle_wgpu.errors import InputError
+
+    model = synth_models["llama"]
+    for ids in ([], [model.config.vocab], [-1, 2]):
+        with pytest.raises(InputError):
+            model.forward(ids)
+
+
 def test_smollm2_reference_reproduces_the_spec_golden(smollm2):
     assert smollm2.greedy(SPEC_IDS, len(SPEC_GOLDEN)) == SPEC_GOLDEN
 
