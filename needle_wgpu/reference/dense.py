@@ -1,0 +1,376 @@
+"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3 (spec dense-gguf.md §1-§3).
+
+The oracle the GPU engine's dense kernels are tested against, itself checked against llama.cpp
+(tests/test_dense_reference.py). Float32 by default; `dtype=np.float64` runs the same graph on
+the same dequantised weights in double precision, which is "exact" to ~1e-12 and settles who is
+right when llama.cpp and the f32 reference disagree (llama.cpp's CPU backend quantises
+activations to 8 bits; the f32 reference rounds each op once).
+
+Every position's result depends only on its own inputs and the keys before it, never on how
+many positions were computed together: products go through `matmul` (einsum, no BLAS, whose
+blocking depends on the batch) and attention runs per query over exactly its visible keys. So a
+prefill followed by decode steps equals one all-positions forward bit for bit.
+
+Per-architecture differences live in one table, `ARCHITECTURES`; the MoE (qwen3moe, olmoe) and
+gemma3 variants of §3 extend `ArchRules` (an `ffn` kind in `FFNS`, embedding scale, post-norms,
+sliding layers) without touching the graph below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import rope
+from ..errors import ContainerError, InputError, UnsupportedModelError
+from .gguf_weights import GgufWeights
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What one architecture changes in the §3 graph."""
+
+    rope_style: str                  # rope.ADJACENT (llama) or rope.NEOX (§3 RoPE)
+    qk_norm: str | None = None       # "head": per-head RMSNorm over head_dim (qwen3, qwen3moe)
+    qkv_bias: bool = False           # attn_{q,k,v}.bias required (qwen2); elsewhere used if present
+    ffn: str = "dense"               # a key of FFNS (MoE adds "moe")
+
+
+ARCHITECTURES = {
+    "llama": ArchRules(rope.ADJACENT),
+    "qwen2": ArchRules(rope.NEOX, qkv_bias=True),
+    "qwen3": ArchRules(rope.NEOX, qk_norm="head"),
+}
+
+
+# ---------------------------------------------------------------------------------- §1 config
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """Geometry of one file (§1). Projection widths come from the tensor shapes, checked
+    against the metadata keys where the file has them."""
+
+    arch: str
+    n_layers: int
+    d: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int      # attention.key_length: q/k width per head
+    value_dim: int     # attention.value_length: v width per head
+    eps: float
+    rope_base: float
+    rope_dims: int     # rope.dimension_count; dims >= rope_dims are not rotated
+    vocab: int
+    context: int
+    tied: bool         # no output.weight: the embedding is the head (§2)
+
+    @property
+    def rules(self) -> ArchRules:
+        return ARCHITECTURES[self.arch]
+
+    @classmethod
+    def from_weights(cls, w: GgufWeights) -> "DenseConfig":
+        arch = w.value("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+        def key(suffix, default=None):
+            return w.value(f"{arch}.{suffix}", default)
+
+        def bad(message):
+            raise ContainerError(f"{w.path.name}: {message}")
+
+        for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight"):
+            if not w.has(name):
+                bad(f"tensor {name} is missing")
+        n_layers = int(key("block_count"))
+        n_head = int(key("attention.head_count"))
+        n_head_kv = int(key("attention.head_count_kv", n_head))
+        vocab_rows, d = w.shape("token_embd.weight")
+        if int(key("embedding_length", d)) != d:
+            bad(f"embedding_length {key('embedding_length')} != embedding width {d}")
+        q_rows = w.shape("blk.0.attn_q.weight")[0]
+        k_rows = w.shape("blk.0.attn_k.weight")[0]
+        v_rows = w.shape("blk.0.attn_v.weight")[0]
+        head_dim = int(key("attention.key_length", q_rows // n_head))
+        value_dim = int(key("attention.value_length", v_rows // n_head_kv))
+        if n_head % n_head_kv or q_rows != n_head * head_dim or k_rows != n_head_kv * head_dim \
+                or v_rows != n_head_kv * value_dim:
+            bad(f"q/k/v widths {q_rows}/{k_rows}/{v_rows} do not fit {n_head}/{n_head_kv} heads of "
+                f"{head_dim}/{value_dim}")
+        n_ff = w.shape("blk.0.ffn_gate.weight")[0]
+        if int(key("feed_forward_length", n_ff)) != n_ff:
+            bad(f"feed_forward_length {key('feed_forward_length')} != ffn_gate rows {n_ff}")
+        rope_dims = int(key("rope.dimension_count", head_dim))
+        if rope_dims % 2 or not 0 < rope_dims <= head_dim:
+            bad(f"rope.dimension_count {rope_dims} does not fit head_dim {head_dim}")
+        vocab = int(key("vocab_size", vocab_rows))
+        if vocab > vocab_rows:
+            bad(f"vocab_size {vocab} exceeds the embedding's {vocab_rows} rows")
+        return cls(arch=arch, n_layers=n_layers, d=d, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                   head_dim=head_dim, value_dim=value_dim,
+                   eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+                   rope_base=float(key("rope.freq_base", 10000.0)), rope_dims=rope_dims,
+                   vocab=vocab, context=int(key("context_length", 2048)),
+                   tied=not w.has("output.weight"))
+
+
+# ---------------------------------------------------------------------------------- primitives
+
+
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y[t, o] = Σ_i w[o, i] x[t, i] for x [T, in], w [out, in] (§2: row-major [out][in]).
+
+    einsum without `optimize` runs NumPy's own loops, never BLAS, so each output element is
+    summed in the same order whatever T is (prefill and decode agree bit for bit)."""
+    return np.einsum("ti,oi->to", x, w)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """out_i = x_i · w_i / sqrt(mean(x²) + eps) over the last axis (§3.2)."""
+    one = x.dtype.type
+    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (one(1) / np.sqrt(mean_square + one(eps))) * weight
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+    """silu(g) = g / (1 + e^(−g)) (§3.2); e^(−g) may overflow to inf, giving −0 as it should."""
+    with np.errstate(over="ignore"):
+        return g / (g.dtype.type(1) + np.exp(-g))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Max-subtracted softmax over the last axis (§3.2)."""
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """Rotate the pairs of x [T, heads, head_dim] by angles with cos/sin [T, n_dims/2] (§3.2):
+    (a, b) -> (a cos − b sin, a sin + b cos). ADJACENT pairs (x_2j, x_2j+1), NEOX pairs
+    (x_j, x_{j+n_dims/2}); dims >= n_dims are untouched."""
+    n_dims = 2 * cos.shape[-1]
+    if style == rope.ADJACENT:
+        first, second = slice(0, n_dims, 2), slice(1, n_dims, 2)
+    else:
+        first, second = slice(0, n_dims // 2), slice(n_dims // 2, n_dims)
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    a, b = x[..., first], x[..., second]
+    out = x.copy()
+    out[..., first] = a * c - b * s
+    out[..., second] = a * s + b * c
+    return out
+
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
+                     scale: float) -> np.ndarray:
+    """Causal GQA attention (§3.2). q [T, H, hd] at absolute `positions`; keys [S, KV, hd] and
+    values [S, KV, vd] hold positions 0..S−1. Query head h reads kv head h // (H / KV); the
+    query at pos sees keys s <= pos: softmax(scale · <q, k_s>) weights the v_s."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    group = heads // kv_heads
+    out = np.empty((q.shape[0], heads, values.shape[2]), dtype=q.dtype)
+    for t, pos in enumerate(positions):
+        for g in range(kv_heads):
+            hs = slice(g * group, (g + 1) * group)
+            k = np.ascontiguousarray(keys[: pos + 1, g])
+            v = np.ascontiguousarray(values[: pos + 1, g])
+            scores = np.einsum("hd,sd->hs", q[t, hs], k) * q.dtype.type(scale)
+            out[t, hs] = np.einsum("hs,sd->hd", softmax(scores), v)
+    return out
+
+
+# ---------------------------------------------------------------------------------- weights (§2)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    wo: np.ndarray
+    bo: np.ndarray | None
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    ffn_norm: np.ndarray
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+
+def dense_ffn(z: np.ndarray, p: LayerWeights) -> np.ndarray:
+    """Wdown (silu(Wgate z) ⊙ Wup z) (§3.2)."""
+    return matmul(silu(matmul(z, p.gate)) * matmul(z, p.up), p.down)
+
+
+FFNS = {"dense": dense_ffn}
+
+
+class DenseKvCache:
+    """Roped keys [n, KV, hd] and values [n, KV, vd] of positions 0..length−1, per layer."""
+
+    def __init__(self, n_layers: int):
+        self.keys: list[np.ndarray | None] = [None] * n_layers
+        self.values: list[np.ndarray | None] = [None] * n_layers
+        self.length = 0
+
+    def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = np.concatenate((self.keys[layer], k))
+            self.values[layer] = np.concatenate((self.values[layer], v))
+        return self.keys[layer], self.values[layer]
+
+
+# ---------------------------------------------------------------------------------- §3 forward
+
+
+class DenseReference:
+    """The §3 forward of one GGUF file, batch 1, with a KV cache.
+
+    `forward(ids, cache)` runs ids at positions cache.length.. (a prefill, or one decode step
+    with one id) and returns the logits of the last position, of every position, or none.
+    """
+
+    def __init__(self, source: str | Path | GgufWeights, dtype=np.float32):
+        self.weights = source if isinstance(source, GgufWeights) else GgufWeights(source)
+        self.config = DenseConfig.from_weights(self.weights)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
+        exact = self.dtype == np.float64
+        self._round = not exact  # f32: RoPE tables rounded once to f32, as the GPU uses them
+        self._freqs = rope.rope_frequencies(self.config.rope_dims, self.config.rope_base,
+                                            round_to_f32=self._round)
+        self._rope: dict[int, tuple[list, list]] = {}
+        self._layers: dict[int, LayerWeights] = {}
+        if self.config.rules.qkv_bias and not self.weights.has("blk.0.attn_q.bias"):
+            raise ContainerError(f"{self.weights.path.name}: {self.config.arch} needs attn_q/k/v biases")
+
+    # ------------------------------------------------------------------ weights
+    def _cast(self, a: np.ndarray | None) -> np.ndarray | None:
+        # f32 keeps the cached arrays; f64 casts on use (a second cached copy would double memory).
+        return None if a is None else a.astype(self.dtype, copy=False)
+
+    def layer(self, i: int) -> LayerWeights:
+        if self.dtype == np.float32 and i in self._layers:
+            return self._layers[i]
+        w = self.weights
+
+        def t(name):
+            return self._cast(w.tensor(f"blk.{i}.{name}"))
+
+        def opt(name):
+            return self._cast(w.optional(f"blk.{i}.{name}"))
+
+        p = LayerWeights(attn_norm=t("attn_norm.weight"), wq=t("attn_q.weight"), wk=t("attn_k.weight"),
+                         wv=t("attn_v.weight"), bq=opt("attn_q.bias"), bk=opt("attn_k.bias"),
+                         bv=opt("attn_v.bias"), wo=t("attn_output.weight"), bo=opt("attn_output.bias"),
+                         q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
+                         ffn_norm=t("ffn_norm.weight"), gate=t("ffn_gate.weight"), up=t("ffn_up.weight"),
+                         down=t("ffn_down.weight"))
+        if self.config.rules.qk_norm == "head" and (p.q_norm is None or p.k_norm is None):
+            raise ContainerError(f"{w.path.name}: layer {i} lacks attn_q_norm/attn_k_norm")
+        if self.dtype == np.float32:
+            self._layers[i] = p
+        return p
+
+    def head(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The head matrix [vocab, d] (tied: the embedding, §2) and the optional output.bias."""
+        name = "token_embd.weight" if self.config.tied else "output.weight"
+        return self._cast(self.weights.tensor(name)), self._cast(self.weights.optional("output.bias"))
+
+    def _cos_sin(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        for p in positions:
+            if p not in self._rope:
+                self._rope[p] = rope.rope_cos_sin(p, self._freqs, round_to_f32=self._round)
+        cos = np.array([self._rope[p][0] for p in positions], dtype=self.dtype)
+        sin = np.array([self._rope[p][1] for p in positions], dtype=self.dtype)
+        return cos, sin
+
+    # ------------------------------------------------------------------ the graph
+    def new_cache(self) -> DenseKvCache:
+        return DenseKvCache(self.config.n_layers)
+
+    def forward(self, ids, cache: DenseKvCache | None = None, *, logits: str = "last"):
+        """Run `ids` at positions cache.length.. and extend the cache (a fresh one if None).
+
+        logits: "last" -> [vocab] of the last position; "all" -> [T, vocab]; "none" -> None
+        (§3.3: the head is computed only for the rows asked for).
+        """
+        cfg, rules = self.config, self.config.rules
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise InputError("forward needs at least one token id")
+        if any(not 0 <= i < cfg.vocab for i in ids):
+            raise InputError(f"token ids must lie in [0, {cfg.vocab})")
+        cache = cache if cache is not None else self.new_cache()
+        T = len(ids)
+        positions = list(range(cache.length, cache.length + T))
+        cos, sin = self._cos_sin(positions)
+        scale = 1.0 / np.sqrt(cfg.head_dim)
+        ffn = FFNS[rules.ffn]
+
+        x = self._cast(self.weights.rows("token_embd.weight", ids))                  # §3.1
+        for i in range(cfg.n_layers):                                                 # §3.2
+            p = self.layer(i)
+            h = rms_norm(x, p.attn_norm, cfg.eps)
+            q, k, v = matmul(h, p.wq), matmul(h, p.wk), matmul(h, p.wv)
+            if p.bq is not None:                                                      # qwen2
+                q, k, v = q + p.bq, k + p.bk, v + p.bv
+            q = q.reshape(T, cfg.n_head, cfg.head_dim)
+            k = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
+            v = v.reshape(T, cfg.n_head_kv, cfg.value_dim)
+            if rules.qk_norm == "head":                                               # qwen3
+                q, k = rms_norm(q, p.q_norm, cfg.eps), rms_norm(k, p.k_norm, cfg.eps)
+            q = apply_rope(q, cos, sin, rules.rope_style)
+            k = apply_rope(k, cos, sin, rules.rope_style)
+            keys, values = cache.extend(i, k, v)
+            attn = causal_attention(q, keys, values, positions, scale)
+            o = matmul(attn.reshape(T, cfg.n_head * cfg.value_dim), p.wo)
+            x1 = x + (o if p.bo is None else o + p.bo)
+            z = rms_norm(x1, p.ffn_norm, cfg.eps)
+            x = x1 + ffn(z, p)
+        cache.length += T
+
+        if logits == "none":
+            return None
+        rows = x if logits == "all" else x[-1:]
+        head, bias = self.head()                                                      # §3.3
+        out = matmul(rms_norm(rows, self._cast(self.weights.tensor("output_norm.weight")), cfg.eps), head)
+        if bias is not None:
+            out = out + bias
+        return out if logits == "all" else out[0]
+
+    # ------------------------------------------------------------------ conveniences
+    def logits(self, ids) -> np.ndarray:
+        """Logits of every position of `ids` from an empty cache, [T, vocab]."""
+        return self.forward(ids, logits="all")
+
+    def next_logits(self, ids) -> np.ndarray:
+        """Logits of the token after `ids`, [vocab]."""
+        return self.forward(ids)
+
+    def greedy(self, ids, steps: int, stop_ids=()) -> list[int]:
+        """Greedy continuation (§3.4: ties to the lowest id): a prefill, then one decode step per
+        new token. Stops early after emitting an id in `stop_ids`."""
+        cache = self.new_cache()
+        logits = self.forward(ids, cache)
+        out: list[int] = []
+        for step in range(steps):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if token in stop_ids or step == steps - 1:
+                break
+            logits = self.forward([token], cache)
+        return out

