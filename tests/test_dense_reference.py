@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from needle_wgpu import default_model, rope
+from needle_wgpu import constants, default_model, rope
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.reference.dense import DenseReference, apply_rope
 from needle_wgpu.synth_gguf import SynthDense, dense_tensors, write_dense_gguf, write_f32_copy
@@ -125,15 +125,18 @@ def test_smollm2_path_checks_package_size_and_hash(smollm2_file, monkeypatch):
 
 @pytest.mark.parametrize("n_dims, base", [(64, 1e5), (16, 1e4), (32, 1e4), (128, 1e6), (256, 1e6),
                                           (256, 1e4), (64, 5e5)])
-def test_rope_frequencies_are_the_correctly_rounded_f32_values(n_dims, base):
-    """freq_j = base^(-2j/n_dims) rounded once to f32; checked against a 50-digit Decimal power
-    on every geometry in use (SmolLM2, the synthetic files, Qwen3, Gemma 3, Llama 3)."""
+def test_rope_frequencies_are_the_engine_table_and_near_the_exact_power(n_dims, base):
+    """In f32 the reference's table is the GPU's (``constants.rope_frequencies``, itself checked
+    against exact decimals in test_constants.py); both lie within an f32 step or two of the
+    50-digit power on every geometry in use (SmolLM2, the synthetic files, Qwen3, Gemma 3,
+    Llama 3), and the float64 table within a double's rounding of it."""
     getcontext().prec = 50
-    expected = [rope.f32(float(Decimal(base) ** (Decimal(-2 * j) / Decimal(n_dims))))
-                for j in range(n_dims // 2)]
-    assert rope.rope_frequencies(n_dims, base) == expected
-    exact = rope.rope_frequencies(n_dims, base, round_to_f32=False)
-    assert max(abs(a - b) / b for a, b in zip(exact, expected)) < 2 ** -24
+    exact = [float(Decimal(base) ** (Decimal(-2 * j) / Decimal(n_dims))) for j in range(n_dims // 2)]
+    table = rope.rope_frequencies(n_dims, base)
+    assert table == list(constants.rope_frequencies(n_dims, base))
+    assert max(abs(a - b) / b for a, b in zip(table, exact)) < 2 ** -22
+    wide = rope.rope_frequencies(n_dims, base, round_to_f32=False)
+    assert max(abs(a - b) / b for a, b in zip(wide, exact)) < 2 ** -50
 
 
 def test_rope_module_needs_no_numpy():
