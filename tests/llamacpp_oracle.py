@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xllamacpp
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,8 @@ class Step:
 class LlamaCppOracle:
     def __init__(self, model_path: str | Path, *, n_ctx: int = 256, threads: int = 2,
                  kv: str = "f32", flash_attn: bool = False):
+        import xllamacpp  # here, so the comparison helpers import without it
+
         params = xllamacpp.CommonParams()
         params.model.path = str(model_path)
         params.n_ctx = n_ctx
@@ -151,3 +152,31 @@ def top_overlap(oracle_top: list[tuple[int, float]], ours: np.ndarray, k: int = 
     """How many of llama.cpp's top-k ids are among our top-k."""
     ours_top = set(np.argsort(-ours, kind="stable")[:k].tolist())
     return len({i for i, _ in oracle_top[:k]} & ours_top)
+
+
+def compare_next_token(next_logits, vocab: int, oracle: LlamaCppOracle, prompts, kl_limit: float,
+                       exact_next_logits=None) -> list:
+    """Top-10 overlap and KL(llama.cpp || ours) at the last position of each prompt, over the
+    whole vocabulary (so the KL is exact: no tail to estimate); asserts overlap >= 8 and
+    KL <= ``kl_limit``. ``next_logits(ids)`` is ours (the NumPy reference or the engine). With
+    ``exact_next_logits`` (a float64 forward) also check that ours, not llama.cpp, is the one
+    next to it. Returns (T, top-10 overlap, KL[, max |ours - f64|, max |llama.cpp - f64|]) per
+    prompt."""
+    figures = []
+    for ids in prompts:
+        ours = log_softmax(next_logits(ids))
+        top = oracle.top_logprobs(ids, k=vocab)
+        kl, overlap = kl_divergence(top, ours), top_overlap(top, ours)
+        row = [len(ids), overlap, kl]
+        if exact_next_logits is not None:
+            truth = log_softmax(exact_next_logits(ids))
+            theirs = np.full(vocab, -np.inf)
+            theirs[[i for i, _ in top]] = [lp for _, lp in top]
+            likely = truth > -20  # log-probs of the tokens that carry any mass
+            row += [np.abs(ours - truth)[likely].max(), np.abs(theirs - truth)[likely].max()]
+        figures.append(tuple(row))
+        assert overlap >= 8, figures
+        assert kl <= kl_limit, figures
+        if exact_next_logits is not None:
+            assert row[3] < 1e-3 and row[4] > 10 * row[3], figures
+    return figures

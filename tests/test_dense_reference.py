@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llamacpp_oracle import log_softmax
 from needle_wgpu import constants, default_model, rope
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.reference.dense import DenseReference, apply_rope
@@ -52,11 +53,6 @@ KL_SMOLLM2 = 1e-2       # mean over SMOLLM2_PROMPTS
 KL_SMOLLM2_ONE = 3e-2   # any one prompt
 KL_SYNTH = 3e-2         # random weights: flatter, less confident outputs than a trained model
 KL_F32 = 1e-6
-
-
-def log_softmax(x) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -295,30 +291,10 @@ def test_smollm2_reference_reproduces_the_spec_golden(smollm2):
 
 
 def _compare(model: DenseReference, oracle, prompts, kl_limit: float, exact: DenseReference | None = None):
-    """Top-10 overlap and KL(llama.cpp || ours) at the last position of each prompt, over the
-    whole vocabulary (so the KL is exact: no tail to estimate). With `exact` (the float64 run),
-    also check that the f32 reference, not llama.cpp, is the one next to it. Returns the
-    figures (T, top-10 overlap, KL, max |f32 - f64|, max |llama.cpp - f64|) per prompt."""
-    from llamacpp_oracle import kl_divergence, top_overlap
+    from llamacpp_oracle import compare_next_token
 
-    figures = []
-    for ids in prompts:
-        ours = log_softmax(model.next_logits(ids))
-        top = oracle.top_logprobs(ids, k=model.config.vocab)
-        kl, overlap = kl_divergence(top, ours), top_overlap(top, ours)
-        row = [len(ids), overlap, kl]
-        if exact is not None:
-            truth = log_softmax(exact.next_logits(ids))
-            theirs = np.full(model.config.vocab, -np.inf)
-            theirs[[i for i, _ in top]] = [lp for _, lp in top]
-            likely = truth > -20  # log-probs of the tokens that carry any mass
-            row += [np.abs(ours - truth)[likely].max(), np.abs(theirs - truth)[likely].max()]
-        figures.append(tuple(row))
-        assert overlap >= 8, figures
-        assert kl <= kl_limit, figures
-        if exact is not None:
-            assert row[3] < 1e-3 and row[4] > 10 * row[3], figures
-    return figures
+    return compare_next_token(model.next_logits, model.config.vocab, oracle, prompts, kl_limit,
+                              exact.next_logits if exact is not None else None)
 
 
 @pytest.mark.parametrize("arch", list(SYNTH))
