@@ -8,12 +8,12 @@ proportion to a number read from the file, only to the file's own size.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
 from .geometry import Needle3Geometry
+from .source import read_source
 
 TAG_V3 = 0x05E12A84
 TAG_V2 = 0x05E12A83
@@ -255,23 +255,7 @@ def read_header(data: memoryview) -> tuple:
 
 def load(source) -> CactFile:
     """Validate and open a container from a path, bytes, bytearray or memoryview."""
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source, "rb") as f:
-                data = memoryview(f.read())
-        except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
-            raise ContainerError(f"file {source!s}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    else:
-        # Bytes or any buffer (memoryview, NumPy array). Not open(): an int is a file descriptor.
-        try:
-            data = memoryview(source)
-        except TypeError:
-            raise ContainerError(f"expected a path or bytes, got {type(source).__name__}") from None
-        if not data.c_contiguous:  # a strided view: take a compact copy of its bytes
-            data = memoryview(data.tobytes())
-        elif data.format != "B" or data.ndim != 1:
-            data = data.cast("B")
-    return parse(data)
+    return parse(read_source(source))
 
 
 def parse(data: memoryview) -> CactFile:
