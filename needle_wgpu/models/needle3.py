@@ -131,6 +131,7 @@ class Needle3Session:
             if model.confidence is None:
                 raise UnsupportedModelError("this model file has no confidence head (§7)")
             head = model.confidence
+            head.check()
             C = g.num_layers + 1
             self.cells = dev.buffer(F32 * T * C * g.d_model, label="cells", kind="scratch")
             self.cellsh = dev.buffer(F32 * T * C * _pad(g.d_model, G), label="cellsh", kind="scratch")
