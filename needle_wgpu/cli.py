@@ -100,7 +100,8 @@ def cmd_info(args) -> int:
             "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
             "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
             "heads": list(container.head_codes),
-            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0}
+            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0,
+            "warnings": container.warnings}
     print(json.dumps(info, indent=2))
     return 0
 

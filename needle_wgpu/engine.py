@@ -47,6 +47,11 @@ class Needle3:
         self.geometry = gpu_model.geometry
         self.tokenizer = tokenizer
 
+    @property
+    def warnings(self) -> list:
+        """What is wrong with the loaded file (non-finite weights): empty for a sound model."""
+        return list(self.gpu.warnings)
+
     @classmethod
     def load(cls, source, device=None, progress=None) -> "Needle3":
         """Load a .cact v3 file (path or bytes) onto ``device`` (default: the native device)."""

@@ -121,6 +121,8 @@ class CactFile:
     head_codes: tuple
     tokenizer: memoryview | None
     file_size: int
+    # (tensor name, how many of its FP16 values are NaN or ±inf): FP16 tensors and CQ norms.
+    nonfinite: tuple = ()
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -141,6 +143,16 @@ class CactFile:
 
     def layer(self, i: int, name: str) -> Tensor:
         return self.tensors[f"layers.{i}.{name}"]
+
+    @property
+    def warnings(self) -> list:
+        """What is wrong with a file that still loads: non-finite weights (empty when none)."""
+        if not self.nonfinite:
+            return []
+        total = sum(count for _, count in self.nonfinite)
+        named = ", ".join(f"{name} ({count})" for name, count in self.nonfinite[:8])
+        more = f" and {len(self.nonfinite) - 8} more tensors" if len(self.nonfinite) > 8 else ""
+        return [f"weights: {total} NaN or infinite FP16 values in {named}{more}"]
 
     @property
     def tensor_bytes(self) -> int:
@@ -311,7 +323,32 @@ def parse(data: memoryview) -> CactFile:
     if raw:
         r = raw[0]
         tokenizer = data[r[3] : r[3] + r[4]]
-    return CactFile(geometry, codebook, tensors, head_codes, tokenizer, len(data))
+    return CactFile(geometry, codebook, tensors, head_codes, tokenizer, len(data), nonfinite_tensors(tensors))
+
+
+# An FP16 value is NaN or ±inf when its five exponent bits are all ones: bits 2-6 of its high byte.
+_FINITE_HIGH_BYTES = bytes(b for b in range(256) if b & 0x7C != 0x7C)
+
+
+def count_nonfinite_halves(data: memoryview) -> int:
+    """NaN and ±inf among little-endian FP16 values: one C-level pass over the high bytes."""
+    return len(bytes(data[1::2]).translate(None, _FINITE_HIGH_BYTES))
+
+
+def nonfinite_tensors(tensors: dict) -> tuple:
+    """(name, count) of every tensor with non-finite FP16 values (its values, or its CQ norms).
+
+    CQ codes index the codebook (checked finite) and FP32 records are permutations (checked
+    when uploaded), so these are the only places a non-finite weight can hide. Linear time.
+    """
+    out = []
+    for name, t in tensors.items():
+        halves = t.norms if t.dtype == CQ else t.data if t.dtype == FP16 else None
+        if halves is not None:
+            count = count_nonfinite_halves(halves)
+            if count:
+                out.append((name, count))
+    return tuple(out)
 
 
 def _check_record_counts(geometry, records) -> tuple:

@@ -113,6 +113,16 @@ class KvCache:
                                    f"with a window of {self.span} (make the cache with chunk >= {positions})")
 
 
+def check(g: Needle3Geometry, workgroup_bytes: int) -> None:
+    """What qkv_post and attention need of the geometry (called at load; the ops check it too)."""
+    _check_heads(g)
+    width = g.q_dim + g.k_dim + g.v_dim
+    cap = -(-width // THREADS) * THREADS
+    limit = min(WORKGROUP_BYTES, workgroup_bytes)
+    if 4 * (cap + MAX_VECTORS + 3 * MAX_FREQS) > limit:
+        raise UnsupportedModelError(f"qkv_post: q+k+v = {width} floats exceed the workgroup memory ({limit} bytes)")
+
+
 def _check_heads(g: Needle3Geometry) -> None:
     if g.qk_head_dim > MAX_HEAD_DIM or g.v_head_dim > MAX_HEAD_DIM:
         raise UnsupportedModelError(f"attention: head widths {g.qk_head_dim}/{g.v_head_dim} (at most {MAX_HEAD_DIM})")

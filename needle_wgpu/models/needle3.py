@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 
-from ..errors import ContextFullError, NeedleError, UnsupportedModelError
+from ..errors import ContextFullError, NeedleError, NonFiniteWeightsError, UnsupportedModelError
 from ..formats.cact import CactFile
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
@@ -15,6 +15,7 @@ from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
 from ..sampling import Sampling
+from .needle3_support import check_supported, widest_row_bytes
 
 PREFILL_CHUNK = 64
 F32 = 4
@@ -24,6 +25,7 @@ class Needle3Gpu:
     """The model's weights on a device, in quantised form (no dequantised copies)."""
 
     def __init__(self, device: Device, container: CactFile, progress=None):
+        check_supported(container, device.limits)
         self.device = device
         self.cact = container
         self.geometry = g = container.geometry
@@ -66,7 +68,14 @@ class Needle3Gpu:
         n = self.geometry.mhc_lanes
         return 2 * n + n * n
 
+    @property
+    def warnings(self) -> list:
+        """Problems of a file that loaded (non-finite weights); requests refuse to run with any."""
+        return self.cact.warnings
+
     def session(self, context=None, kv="f32", confidence=False) -> "Needle3Session":
+        if self.cact.nonfinite:
+            raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
         return Needle3Session(self, context=context, kv=kv, confidence=confidence)
 
 
@@ -99,8 +108,7 @@ class Needle3Session:
         sites = len(g.engram_sites)
         # A prefill chunk is as long as the widest per-position scratch row allows under the
         # device's binding limit (64 on any real device).
-        widest = 4 * max(g.head_rows, g.mhc_width, sites * 2 * g.d_model, sites * _pad(g.d_model, G),
-                         g.q_dim + g.k_dim + g.v_dim + g.attn_out)
+        widest = widest_row_bytes(g, G)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
         self.step_uniform = dev.buffer(16, label="step", usage="uniform", kind="session")
