@@ -112,8 +112,11 @@ def upload_pack(device: Device, name: str, parts: list) -> CQPack:
     row_bytes, norm_bytes = pack.row_words * 4, pack.groups * 2
     per_row = row_bytes + norm_bytes
     limit = device.limits.max_storage_binding
-    rows_per_slice = min(total_rows, max(2, (limit - 16) // per_row) // 2 * 2)
-    if rows_per_slice < 2:
+    fit = max(0, (limit - 16) // per_row)
+    # Split packs take an even number of rows a slice (each slice's norms stay word-aligned);
+    # a pack that fits one binding is one slice, whatever its row count (a 1-row table).
+    rows_per_slice = total_rows if total_rows <= fit else fit // 2 * 2
+    if rows_per_slice < 1:
         raise DeviceLimitError(f"{name}: one row ({per_row} bytes) exceeds the binding limit {limit}")
     start = 0
     while start < total_rows:

@@ -66,8 +66,9 @@ def test_a_geometry_no_kernel_can_serve_is_refused_at_load(device, monkeypatch, 
     dict(mhc_lanes=16),
     dict(qk_head_dim=256, v_head_dim=256, num_heads=2, num_kv_heads=2),
     dict(vocab=16384, out_vocab=16384),
+    dict(engram_slots=1, num_engram_tables=1, engram_sub_dim=64),  # a one-row CQ pack
 ])
-def test_the_largest_supported_sizes_serve(device, monkeypatch, changes):
+def test_the_edge_sizes_serve(device, monkeypatch, changes):
     model = Needle3.load(build(monkeypatch, heads=False, **changes), device=device)
     assert model.warnings == []
     serves(model)
