@@ -65,6 +65,11 @@ class Model:
         """What the model is: family, geometry, sizes (the ``info`` command prints it)."""
         return self.gpu.describe()
 
+    @property
+    def warnings(self) -> list:
+        """What is wrong with the loaded file (non-finite weights): empty for a sound model."""
+        return list(getattr(self.gpu, "warnings", ()))
+
     # ------------------------------------------------------------------ prompts
     def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
         """Token ids of a request: explicit ids, a tool-calling prompt (query + tools), or free text."""

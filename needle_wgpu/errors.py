@@ -13,6 +13,10 @@ class ContainerError(NeedleError):
     """A model file is corrupt, truncated or inconsistent with its own header."""
 
 
+class NonFiniteWeightsError(ContainerError):
+    """A model file loaded but its weights hold NaN or infinity: it cannot give real outputs."""
+
+
 class UnsupportedModelError(NeedleError):
     """A model file is well formed but uses a feature this engine does not implement."""
 

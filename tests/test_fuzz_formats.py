@@ -34,9 +34,9 @@ TOKENIZER_CASES = 1200
 TIME_LIMIT_S = 1.0
 # Below this size what is allocated is the exception and its message, not the parse.
 SMALL_INPUT_FLOOR = 8 * 1024
-# The tokenizer keeps every piece as a Python str, index dicts and a compiled regex of the markers:
-# about 23 bytes per blob byte for the synthetic 512-piece vocabulary, 45 when a mutation adds a
-# marker (the regex is compiled anew). 64 leaves room without hiding a count-driven blow-up.
+# The tokenizer keeps every piece as a Python str and index dicts: about 23 bytes per blob byte
+# for the synthetic 512-piece vocabulary (short pieces). 64 leaves room without hiding a
+# count-driven blow-up.
 TOKENIZER_BYTES_PER_BLOB_BYTE = 64
 
 VALID = synthesize("tiny", seed=0)

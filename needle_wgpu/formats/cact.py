@@ -8,12 +8,12 @@ proportion to a number read from the file, only to the file's own size.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
 from .geometry import Needle3Geometry
+from .source import read_source
 
 TAG_V3 = 0x05E12A84
 TAG_V2 = 0x05E12A83
@@ -121,6 +121,8 @@ class CactFile:
     head_codes: tuple
     tokenizer: memoryview | None
     file_size: int
+    # (tensor name, how many of its FP16 values are NaN or ±inf): FP16 tensors and CQ norms.
+    nonfinite: tuple = ()
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -141,6 +143,16 @@ class CactFile:
 
     def layer(self, i: int, name: str) -> Tensor:
         return self.tensors[f"layers.{i}.{name}"]
+
+    @property
+    def warnings(self) -> list:
+        """What is wrong with a file that still loads: non-finite weights (empty when none)."""
+        if not self.nonfinite:
+            return []
+        total = sum(count for _, count in self.nonfinite)
+        named = ", ".join(f"{name} ({count})" for name, count in self.nonfinite[:8])
+        more = f" and {len(self.nonfinite) - 8} more tensors" if len(self.nonfinite) > 8 else ""
+        return [f"weights: {total} NaN or infinite FP16 values in {named}{more}"]
 
     @property
     def tensor_bytes(self) -> int:
@@ -254,53 +266,53 @@ def read_header(data: memoryview) -> tuple:
 
 
 def load(source) -> CactFile:
-    """Validate and open a container from a path, bytes, bytearray or memoryview."""
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source, "rb") as f:
-                data = memoryview(f.read())
-        except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
-            raise ContainerError(f"file {source!s}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    else:
-        # Bytes or any buffer (memoryview, NumPy array). Not open(): an int is a file descriptor.
-        try:
-            data = memoryview(source)
-        except TypeError:
-            raise ContainerError(f"expected a path or bytes, got {type(source).__name__}") from None
-        if not data.c_contiguous:  # a strided view: take a compact copy of its bytes
-            data = memoryview(data.tobytes())
-        elif data.format != "B" or data.ndim != 1:
-            data = data.cast("B")
-    return parse(data)
+    """Validate and open a container from a path, bytes, bytearray or memoryview.
+
+    A file is read in three steps, each checked before the next (``source.read_source``): the
+    header and codebook, then the directory, then the blobs up to the end of the last one.
+    """
+    return parse(read_source(source, bytes_needed, first=HEADER.size + 4 * CODEBOOK_LEN))
 
 
-def parse(data: memoryview) -> CactFile:
-    words = read_header(data)
-    geometry = Needle3Geometry.from_header(words)
+def _directory_span(words) -> tuple:
+    """(directory_at, blobs_at) from the header's counts, after checking them."""
     num_tensors, codebook_len = words[1], words[2]
     if codebook_len != CODEBOOK_LEN:
         _fail("header", f"codebook_len {codebook_len} (expected {CODEBOOK_LEN})")
     if not 0 < num_tensors <= MAX_TENSORS:
         _fail("header", f"num_tensors {num_tensors} is out of range")
     directory_at = HEADER.size + 4 * codebook_len
-    blobs_at = directory_at + RECORD.size * num_tensors
+    return directory_at, directory_at + RECORD.size * num_tensors
+
+
+def bytes_needed(data: memoryview, size: int) -> int:
+    """How many bytes of a ``size``-byte file the container takes, judged from ``data``, its
+    first bytes: the header and codebook, then the directory (every record checked against the
+    file's size, blobs packed as §8 lays them out), then the end of the last blob."""
+    words = read_header(data)
+    directory_at, blobs_at = _directory_span(words)
+    if len(data) < blobs_at:
+        return blobs_at
+    geometry = Needle3Geometry.from_header(words)
+    records = [_read_record(data, directory_at, i, blobs_at, size) for i in range(words[1])]
+    _check_record_counts(geometry, records)
+    _check_no_overlap(records)
+    return _blobs_end(records, blobs_at)
+
+
+def parse(data: memoryview) -> CactFile:
+    words = read_header(data)
+    geometry = Needle3Geometry.from_header(words)
+    num_tensors = words[1]
+    directory_at, blobs_at = _directory_span(words)
     if len(data) < blobs_at:
         _fail("directory", f"truncated: {num_tensors} records need {blobs_at} bytes, file has {len(data)}")
-    codebook = struct.unpack_from(f"<{codebook_len}f", data, HEADER.size)
+    codebook = struct.unpack_from(f"<{CODEBOOK_LEN}f", data, HEADER.size)
     _check_codebook(codebook)
 
-    records = [_read_record(data, directory_at, i, blobs_at) for i in range(num_tensors)]
+    records = [_read_record(data, directory_at, i, blobs_at, len(data)) for i in range(num_tensors)]
+    canon, raw, body = _check_record_counts(geometry, records)
     _check_no_overlap(records)
-
-    canon = model_canon(geometry)
-    raw = [r for r in records if r[0] == RAW]
-    if len(raw) > 1:
-        _fail("directory", f"{len(raw)} RAW records (at most one tokenizer is allowed)")
-    if raw and records[-1][0] != RAW:
-        _fail("directory", "the RAW tokenizer record must be the last record")
-    body = records[: len(records) - len(raw)]
-    if len(body) < len(canon):
-        _fail("directory", f"{len(body)} tensor records, the geometry needs at least {len(canon)}")
 
     tensors = {}
     for i, (name, dtype, shape) in enumerate(canon):
@@ -311,7 +323,46 @@ def parse(data: memoryview) -> CactFile:
     if raw:
         r = raw[0]
         tokenizer = data[r[3] : r[3] + r[4]]
-    return CactFile(geometry, codebook, tensors, head_codes, tokenizer, len(data))
+    return CactFile(geometry, codebook, tensors, head_codes, tokenizer, len(data), nonfinite_tensors(tensors))
+
+
+# An FP16 value is NaN or ±inf when its five exponent bits are all ones: bits 2-6 of its high byte.
+_FINITE_HIGH_BYTES = bytes(b for b in range(256) if b & 0x7C != 0x7C)
+
+
+def count_nonfinite_halves(data: memoryview) -> int:
+    """NaN and ±inf among little-endian FP16 values: one C-level pass over the high bytes."""
+    return len(bytes(data[1::2]).translate(None, _FINITE_HIGH_BYTES))
+
+
+def nonfinite_tensors(tensors: dict) -> tuple:
+    """(name, count) of every tensor with non-finite FP16 values (its values, or its CQ norms).
+
+    CQ codes index the codebook (checked finite) and FP32 records are permutations (checked
+    when uploaded), so these are the only places a non-finite weight can hide. Linear time.
+    """
+    out = []
+    for name, t in tensors.items():
+        halves = t.norms if t.dtype == CQ else t.data if t.dtype == FP16 else None
+        if halves is not None:
+            count = count_nonfinite_halves(halves)
+            if count:
+                out.append((name, count))
+    return tuple(out)
+
+
+def _check_record_counts(geometry, records) -> tuple:
+    """(canon, RAW records, body records): one tokenizer at most, last; enough tensor records."""
+    canon = model_canon(geometry)
+    raw = [r for r in records if r[0] == RAW]
+    if len(raw) > 1:
+        _fail("directory", f"{len(raw)} RAW records (at most one tokenizer is allowed)")
+    if raw and records[-1][0] != RAW:
+        _fail("directory", "the RAW tokenizer record must be the last record")
+    body = records[: len(records) - len(raw)]
+    if len(body) < len(canon):
+        _fail("directory", f"{len(body)} tensor records, the geometry needs at least {len(canon)}")
+    return canon, raw, body
 
 
 def _check_codebook(codebook):
@@ -323,7 +374,7 @@ def _check_codebook(codebook):
             _fail("codebook", f"{bits}-bit levels are not sorted ascending")
 
 
-def _read_record(data, directory_at, i, blobs_at):
+def _read_record(data, directory_at, i, blobs_at, size):
     r = RECORD.unpack_from(data, directory_at + RECORD.size * i)
     dtype, ndim, pad, s0, s1, s2, s3, offset, nbytes, group, bits = r
     what = f"record {i}"
@@ -340,8 +391,8 @@ def _read_record(data, directory_at, i, blobs_at):
         _fail(what, f"absurd dimension in shape {dims[:ndim]} (limit {MAX_DIM})")
     if offset < blobs_at or offset % BLOB_ALIGN:
         _fail(what, f"blob offset {offset} is inside the header/directory or not 64-byte aligned")
-    if offset > len(data) or nbytes > len(data) - offset:
-        _fail(what, f"blob [{offset}, {offset + nbytes}) runs past the end of the file ({len(data)} bytes)")
+    if offset > size or nbytes > size - offset:
+        _fail(what, f"blob [{offset}, {offset + nbytes}) runs past the end of the file ({size} bytes)")
     if dtype == CQ:
         if ndim != 2:
             _fail(what, f"CQ tensor with ndim {ndim} (must be 2)")
@@ -369,6 +420,19 @@ def _check_no_overlap(records):
     for (a0, a1, ia), (b0, b1, ib) in zip(spans, spans[1:]):
         if b0 < a1:
             _fail(f"record {ib}", f"blob [{b0}, {b1}) overlaps record {ia} [{a0}, {a1})")
+
+
+def _blobs_end(records, blobs_at) -> int:
+    """The end of the last blob, refused when the blobs are spread over much more of the file
+    than they fill: §8 packs them at 64-byte alignment, so a reader never has to read more than
+    twice the header's own sizes (a slack for tools that lay blobs out differently)."""
+    end = max([blobs_at] + [r[3] + r[4] for r in records])
+    claimed = blobs_at + sum(r[4] for r in records) + BLOB_ALIGN * len(records)
+    if end > 2 * claimed:
+        last = max(range(len(records)), key=lambda i: records[i][3] + records[i][4])
+        _fail(f"record {last}", f"blob ends at {end}, but the {len(records)} blobs hold only "
+                                f"{claimed - blobs_at} bytes (§8 packs them with no gaps)")
+    return end
 
 
 def _make_tensor(data, i, name, record, dtype, shape):

@@ -121,30 +121,39 @@ def shader_source(family: str) -> str:
 
 
 class UniformArena:
-    """All kernel parameters in one uniform buffer, each dispatch at an aligned offset.
+    """All kernel parameters of a plan in uniform buffers, each dispatch at an aligned offset.
 
     Parameters are packed as 32-bit words (u32 for ints, f32 for floats) in the order given;
-    WGSL structs of scalars match this layout.
+    WGSL structs of scalars match this layout. When a buffer is full the arena starts another
+    of the same capacity (bindings already handed out keep theirs), so a plan of any length
+    fits: its uniforms take as many blocks as its dispatches need.
     """
 
     def __init__(self, device: "Device", capacity: int = 1 << 16, label: str = "uniforms"):
         self.device = device
         self.capacity = capacity
-        self.buffer = device.buffer(capacity, label=label, usage="uniform")
+        self.label = label
+        self.blocks = [device.buffer(capacity, label=label, usage="uniform")]
         self.used = 0
+
+    @property
+    def buffer(self) -> Buffer:
+        """The block being filled."""
+        return self.blocks[-1]
 
     def add(self, *values) -> Binding:
         data = pack_words(values)
         size = max(16, (len(data) + 15) // 16 * 16)
+        if size > self.capacity:
+            raise DeviceError(f"{self.label}: {size} bytes of parameters exceed the {self.capacity}-byte block")
         if self.used + size > self.capacity:
-            self._grow(max(self.capacity * 2, self.used + size + UNIFORM_ALIGN))
+            self.blocks.append(self.device.buffer(self.capacity, label=f"{self.label}.{len(self.blocks)}",
+                                                  usage="uniform"))
+            self.used = 0
         offset = self.used
         self.device.write(self.buffer, data.ljust(size, b"\0"), offset)
         self.used = (offset + size + UNIFORM_ALIGN - 1) // UNIFORM_ALIGN * UNIFORM_ALIGN
         return Binding(self.buffer, offset, size)
-
-    def _grow(self, capacity):
-        raise DeviceError(f"uniform arena full ({self.capacity} bytes); build plans with a larger arena")
 
 
 def pack_words(values) -> bytes:

@@ -173,6 +173,16 @@ class KvCache:
                                    f"with a window of {self.span} (make the cache with chunk >= {positions})")
 
 
+def check(shape: AttentionShape, workgroup_bytes: int) -> None:
+    """What qkv_post and attention need of a layer's shape (called at load; the ops check it too)."""
+    shape.check()
+    width = shape.q_width + shape.k_width + shape.v_width
+    cap = -(-width // THREADS) * THREADS
+    limit = min(WORKGROUP_BYTES, workgroup_bytes)
+    if 4 * (cap + MAX_VECTORS + 3 * MAX_FREQS) > limit:
+        raise UnsupportedModelError(f"qkv_post: q+k+v = {width} floats exceed the workgroup memory ({limit} bytes)")
+
+
 def _layer_fp16(store, shape: AttentionShape, layer: int) -> tuple:
     """The range of the FP16 buffer holding this layer's taps and q/k norms, and their half
     offsets inside it: binding only that range keeps qkv_post within any storage-binding limit."""

@@ -20,6 +20,26 @@ MATMUL_ROWS = 8
 ROWWISE_TILE = 8  # positions per invocation of cq_matmul_rows in prefill
 
 
+def check(group: int) -> None:
+    """What every CQ kernel needs of a pack (called at load): the group is whole 32-code chunks."""
+    if group % 32:
+        raise UnsupportedModelError(f"cq: CQ group {group} is not a multiple of 32")
+
+
+def prepare_cap(width: int, group: int) -> int:
+    """cq_prepare's workgroup buffer (floats): in_pad rounded up to a power of two, at least 256."""
+    in_pad = (width + group - 1) // group * group
+    return max(256, 1 << (in_pad - 1).bit_length())
+
+
+def check_prepare(width: int, group: int, workgroup_bytes: int) -> None:
+    """cq_prepare of rows ``width`` wide fits the device's workgroup memory (called at load)."""
+    if 4 * prepare_cap(width, group) > workgroup_bytes:
+        raise UnsupportedModelError(f"cq_prepare: rows of {width} (group {group}) need "
+                                    f"{4 * prepare_cap(width, group)} bytes of workgroup memory "
+                                    f"(the device has {workgroup_bytes})")
+
+
 def levels_bytes(cact: CactFile) -> bytes:
     """Level tables of every width, padded to 16 entries; ternary maps crumbs to levels (§5.2)."""
     out = bytearray()
@@ -92,8 +112,11 @@ def upload_pack(device: Device, name: str, parts: list) -> CQPack:
     row_bytes, norm_bytes = pack.row_words * 4, pack.groups * 2
     per_row = row_bytes + norm_bytes
     limit = device.limits.max_storage_binding
-    rows_per_slice = min(total_rows, max(2, (limit - 16) // per_row) // 2 * 2)
-    if rows_per_slice < 2:
+    fit = max(0, (limit - 16) // per_row)
+    # Split packs take an even number of rows a slice (each slice's norms stay word-aligned);
+    # a pack that fits one binding is one slice, whatever its row count (a 1-row table).
+    rows_per_slice = total_rows if total_rows <= fit else fit // 2 * 2
+    if rows_per_slice < 1:
         raise DeviceLimitError(f"{name}: one row ({per_row} bytes) exceeds the binding limit {limit}")
     start = 0
     while start < total_rows:
@@ -139,7 +162,7 @@ def prepare(plan: Plan, arena: UniformArena, x, xh, *, width: int, group: int, p
             x_stride: int, x_offset: int = 0, y_stride: int | None = None, y_offset: int = 0) -> None:
     """xh[t] = per-group normalised FWHT of x[t] padded to in_pad (§5.5.1)."""
     in_pad = (width + group - 1) // group * group
-    cap = max(256, 1 << (in_pad - 1).bit_length())
+    cap = prepare_cap(width, group)
     key = KernelKey("cq_prepare", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
     params = arena.add(width, in_pad, x_stride, x_offset, y_stride or in_pad, y_offset, 0, 0)
     plan.add(key, [params, x, xh], (positions,), label="cq_prepare")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 
 from .. import constants
+from ..errors import UnsupportedModelError
 from ..formats.geometry import Needle3Geometry
 from ..gpu.device import Binding, KernelKey, Plan, UniformArena
 from .cq import CODE_BITS, LEVEL_BASE, CQPack, fwht_scale
@@ -26,6 +27,16 @@ def f32(value: float) -> float:
 def workgroup_cap(*widths: int) -> int:
     """Floats of a workgroup FWHT buffer holding the widest of ``widths``: a multiple of 256."""
     return max(THREADS, -(-max(widths) // THREADS) * THREADS)
+
+
+def check(d_model: int, group: int, workgroup_bytes: int) -> None:
+    """embed and final_norm fit the device's workgroup memory (called at load)."""
+    d_pad = -(-d_model // group) * group
+    for name, need in (("embed", 4 * (workgroup_cap(d_pad) + 16 + 1)),
+                       ("final_norm", 4 * (workgroup_cap(d_pad) + THREADS))):
+        if need > workgroup_bytes:
+            raise UnsupportedModelError(f"{name}: d = {d_model} (group {group}) needs {need} bytes of workgroup "
+                                        f"memory (the device has {workgroup_bytes})")
 
 
 def embed(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, pack: CQPack, levels, tokens,

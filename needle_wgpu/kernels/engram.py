@@ -23,6 +23,23 @@ MAX_SITES = 16  # the header holds at most 16 sites (§8); the conv uniform has 
 MAX_ORDERS = 4  # the header holds at most 4 orders (§8)
 
 
+def check(geometry: Needle3Geometry, group: int, workgroup_bytes: int) -> None:
+    """What fetch and conv need of the geometry (called at load)."""
+    g = geometry
+    if len(g.engram_orders) > MAX_ORDERS or g.num_engram_tables > MAX_TABLES or len(g.engram_sites) > MAX_SITES:
+        raise UnsupportedModelError(f"engram: {len(g.engram_orders)} orders / {g.num_engram_tables} tables / "
+                                    f"{len(g.engram_sites)} sites (at most {MAX_ORDERS} / {MAX_TABLES} / {MAX_SITES})")
+    if not 0 < g.engram_slots < 1 << 31:
+        raise UnsupportedModelError(f"engram: {g.engram_slots} slots per table")
+    row_pad = -(-g.engram_sub_dim // group) * group
+    width = g.num_engram_tables * g.engram_sub_dim
+    cap = workgroup_cap(g.num_engram_tables * row_pad, -(-width // group) * group)
+    need = 4 * (cap + 16 + MAX_TABLES)
+    if need > workgroup_bytes:
+        raise UnsupportedModelError(f"engram fetch: {g.num_engram_tables} tables of rows padded to the group {group} "
+                                    f"need {need} bytes of workgroup memory (the device has {workgroup_bytes})")
+
+
 def _fetch_key(geometry: Needle3Geometry, tables: CQPack, entry: str) -> KernelKey:
     g = geometry
     width = g.num_engram_tables * g.engram_sub_dim

@@ -92,6 +92,21 @@ def _f32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
+def check(lanes_n: int, width: int, group: int, workgroup_bytes: int) -> None:
+    """What mhc_norm and mhc_mix need (called at load; the ops check the same at build)."""
+    n, d = lanes_n, width
+    limit = min(WORKGROUP_BYTES, workgroup_bytes)
+    if not 1 <= n <= MAX_LANES:
+        raise UnsupportedModelError(f"mhc_mix: {n} mHC lanes (at most {MAX_LANES} supported)")
+    if d % 4:
+        raise UnsupportedModelError(f"mhc_mix: d = {d} is not a multiple of 4 (the kernel works on 4-channel slots)")
+    if 4 * _cap(_pad(n * d, group)) + 1024 > limit:
+        raise UnsupportedModelError(f"mhc_norm: n·d = {n * d} (group {group}) needs more than {limit} bytes of "
+                                    "workgroup memory")
+    if 4 * _pad(d, group) + 4 * n + _SUM_BYTES > limit:
+        raise UnsupportedModelError(f"mhc_mix: d = {d} (group {group}) needs more than {limit} bytes of workgroup memory")
+
+
 def mhc_norm(plan: Plan, arena: UniformArena, lanes, nxh, *, lanes_n: int, width: int, group: int,
              positions: int, lane_stride: int | None = None, lane_offset: int = 0,
              y_stride: int | None = None, y_offset: int = 0) -> None:

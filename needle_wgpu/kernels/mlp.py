@@ -42,17 +42,18 @@ class HadaShape:
         ba, bb = cact.layer(0, "w1a").shape[0], cact.layer(0, "w1b").shape[0]
         return cls(d, g.hada_n, r, ba, bb)
 
-    def check(self) -> None:
+    def check(self, workgroup_bytes: int = WORKGROUP_BYTES) -> None:
         if self.ba * self.bb != self.hada_n or self.width > self.hada_n or not 1 <= self.rank <= self.hada_n:
             raise UnsupportedModelError(f"HadaMLP sizes {self} are inconsistent (§4.6)")
         if self.ba % 4 or self.bb % 4 or self.width % 4:
             raise UnsupportedModelError(
                 f"mlp_mix: d = {self.width} and the Kronecker blocks {self.ba} x {self.bb} must be multiples of 4 "
                 "(the kernel works on 4 x 4 tiles and 4-element slots)")
-        if self.workgroup_bytes > WORKGROUP_BYTES:
+        limit = min(WORKGROUP_BYTES, workgroup_bytes)
+        if self.workgroup_bytes > limit:
             raise UnsupportedModelError(
                 f"mlp_mix: hada_n {self.hada_n} ({self.ba} x {self.bb}) needs more than "
-                f"{WORKGROUP_BYTES} bytes of workgroup memory")
+                f"{limit} bytes of workgroup memory")
 
     @property
     def workgroup_bytes(self) -> int:

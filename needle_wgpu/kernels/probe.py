@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import struct
+from array import array
 
 from ..constants import inv_sqrt, ternary_level
+from ..errors import UnsupportedModelError
 from ..formats.cact import CQ, CactFile
 from ..gpu.device import Plan, UniformArena
 from . import cq
@@ -33,50 +35,101 @@ def pool(plan: Plan, arena: UniformArena, *, scores, cells, state, d: int, posit
     plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state], (probes,), label="probe_pool")
 
 
-def dequantize_row(container: CactFile, name: str, row: int) -> list:
-    """One CQ row as floats (§5.4) in pure Python: level·norm per group, then the FWHT."""
+def unpack_codes(data: bytes, bits: int) -> list:
+    """The codes of an LSB-first bit stream of ``bits``-bit codes (§5.2), 8 codes per ``bits``
+    bytes: linear in the data (no shifts of one big integer)."""
+    mask = (1 << bits) - 1
+    shifts = range(0, 8 * bits, bits)
+    out = []
+    for at in range(0, len(data), bits):
+        word = int.from_bytes(data[at : at + bits], "little")
+        out.extend((word >> shift) & mask for shift in shifts)
+    return out
+
+
+def dequantize_row(container: CactFile, name: str, row: int) -> array:
+    """One CQ row as floats (§5.4) in pure Python: level·norm per group, then the FWHT.
+
+    Time O(cols · log G), memory one float per column (an ``array('d')``).
+    """
     t = container[name]
     assert t.dtype == CQ
     levels = container.levels(t.bits) or (-ternary_level(t.group), 0.0, ternary_level(t.group))
     table = list(levels) if t.bits != 5 else [0.0, levels[2], 0.0, levels[0]]
-    codes = bytes(t.codes[row * t.row_bytes : (row + 1) * t.row_bytes])
+    codes = unpack_codes(bytes(t.codes[row * t.row_bytes : (row + 1) * t.row_bytes]), 2 if t.bits == 5 else t.bits)
     norms = struct.unpack_from(f"<{t.num_groups}e", t.norms, row * t.num_groups * 2)
-    bits = 2 if t.bits == 5 else t.bits
-    value = int.from_bytes(codes, "little")
-    mask = (1 << bits) - 1
     scale = fwht_scale(t.group)
-    out = []
-    for g in range(t.num_groups):
-        u = [table[(value >> ((g * t.group + m) * bits)) & mask] * norms[g] for m in range(t.group)]
+    out = array("d")
+    G = t.group
+    for g in range(min(t.num_groups, -(-t.cols // G))):  # groups wholly past cols are padding
+        norm = norms[g]
+        u = [table[c] * norm for c in codes[g * G : (g + 1) * G]]
         h = 1
-        while h < t.group:
-            for i in range(0, t.group, 2 * h):
+        while h < G:
+            for i in range(0, G, 2 * h):
                 for j in range(i, i + h):
                     a, b = u[j], u[j + h]
                     u[j], u[j + h] = a + b, a - b
             h *= 2
-        out += [x * scale for x in u]
-    return out[: t.cols]
+        out.extend(x * scale for x in u)
+    del out[t.cols :]
+    return out
+
+
+def _halves(data) -> array:
+    """FP16 values as an ``array('d')``, without a tuple of all of them."""
+    out = array("d")
+    for chunk in range(0, len(data), 8192):
+        out.extend(struct.unpack(f"<{len(data[chunk : chunk + 8192]) // 2}e", data[chunk : chunk + 8192]))
+    return out
+
+
+# Host work of one confidence finish (multiply-adds of §7 steps 2-3 plus the FWHTs that decode
+# the query and projection rows) that the engine accepts: ~1-2 s of pure Python. Shipped: 0.8M.
+MAX_HOST_WORK = 1 << 23
 
 
 class ConfidenceHead:
-    """Host side of the confidence head: the tensors needed after pooling, decoded once."""
+    """Host side of the confidence head: small tensors decoded at load, the query and
+    projection rows decoded at the first use (their cost is bounded by ``check``)."""
 
     def __init__(self, container: CactFile):
         h = container.head_codes.index(CONFIDENCE)
         self.prefix = prefix = f"heads.{h}."
+        self._container = container
         g = container.geometry
         self.d = g.d_model
         gain = container[prefix + "gain"]
         self.cells_count, self.per_cell = gain.shape
-        self.gain = struct.unpack(f"<{gain.size}e", gain.data)
-        queries = container[prefix + "query"].rows
-        self.query = [dequantize_row(container, prefix + "query", q) for q in range(queries)]
-        row_bias = container[prefix + "row_bias"]
-        self.row_bias = struct.unpack(f"<{row_bias.size}e", row_bias.data)
-        self.proj = dequantize_row(container, prefix + "proj", 0)
+        self.gain = _halves(gain.data)
+        query = container[prefix + "query"]
+        self.queries = query.rows
+        self.row_bias = _halves(container[prefix + "row_bias"].data)
         self.bias = struct.unpack("<e", container[prefix + "bias"].data)[0]
         self.probes = container[prefix + "probes"]
+        log_group = max(1, query.group.bit_length() - 1)
+        self.host_work = (self.queries * self.probe_rows * self.d
+                          + (2 * self.queries + self.probe_rows) * self.d * log_group)
+        self._query = self._proj = None
+
+    def check(self) -> None:
+        """Refuse a head whose host finish would take more than ``MAX_HOST_WORK`` operations."""
+        if self.host_work > MAX_HOST_WORK:
+            raise UnsupportedModelError(
+                f"confidence head: {self.queries} queries x {self.probe_rows} probes x d {self.d} need "
+                f"{self.host_work} host operations per request (at most {MAX_HOST_WORK})")
+
+    @property
+    def query(self) -> list:
+        if self._query is None:
+            self._query = [dequantize_row(self._container, self.prefix + "query", q) for q in range(self.queries)]
+        return self._query
+
+    @property
+    def proj(self) -> array:
+        if self._proj is None:
+            self._proj = dequantize_row(self._container, self.prefix + "proj", 0)
+        return self._proj
 
     @property
     def probe_rows(self) -> int:

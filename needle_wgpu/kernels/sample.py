@@ -38,6 +38,12 @@ class SampleResult:
                    bool(flags & FLAG_NO_FINITE), logit)
 
 
+def check(rows: int) -> None:
+    """The sampler holds every logit in registers: at most THREADS · MAX_ITEMS rows (called at load)."""
+    if not 0 < -(-rows // THREADS) <= MAX_ITEMS:
+        raise UnsupportedModelError(f"sampler: {rows} logits (at most {THREADS * MAX_ITEMS})")
+
+
 def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int, rows: int, tokens, result,
            context: int, positions: int, sampling: Sampling) -> None:
     """Pick the next id from logits[logits_offset : logits_offset + rows] (the chunk's last row).
@@ -50,9 +56,8 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     3 ``tokens`` u32 [context] (read_write), 4 ``result`` u32 [4]. Workgroups: (1,), 256
     invocations. Constant: ITEMS = ceil(rows / 256) (at most 64, so rows <= 16384).
     """
+    check(rows)
     items = -(-rows // THREADS)
-    if not 0 < items <= MAX_ITEMS:
-        raise UnsupportedModelError(f"sampler: {rows} logits (at most {THREADS * MAX_ITEMS})")
     top_k = max(0, min(int(sampling.top_k), 0xFFFFFFFF))
     params = arena.add(rows, logits_offset, positions, context, float(sampling.temperature), top_k,
                        float(sampling.top_p), int(sampling.seed) & 0xFFFFFFFF)

@@ -4,7 +4,7 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 
 from __future__ import annotations
 
-from ..errors import NeedleError, UnsupportedModelError
+from ..errors import NeedleError, NonFiniteWeightsError, UnsupportedModelError
 from ..formats import cact
 from ..formats.cact import CactFile
 from ..formats.tokenizer import Tokenizer
@@ -16,6 +16,7 @@ from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
 from ..prompt import Needle3Chat
 from .session import ChunkedSession, PlanKey
+from .needle3_support import check_supported, widest_row_bytes
 
 PREFILL_CHUNK = 64
 F32 = 4
@@ -44,13 +45,15 @@ def describe(container: CactFile) -> dict:
             "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
             "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
             "heads": list(container.head_codes),
-            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0}
+            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0,
+            "warnings": container.warnings}
 
 
 class Needle3Gpu:
     """The model's weights on a device, in quantised form (no dequantised copies)."""
 
     def __init__(self, device: Device, container: CactFile, progress=None):
+        check_supported(container, device.limits)
         self.device = device
         self.cact = container
         self.geometry = g = container.geometry
@@ -100,7 +103,14 @@ class Needle3Gpu:
     def describe(self) -> dict:
         return describe(self.cact) | {"gpu_weight_bytes": self.weight_bytes}
 
+    @property
+    def warnings(self) -> list:
+        """Problems of a file that loaded (non-finite weights); requests refuse to run with any."""
+        return self.cact.warnings
+
     def session(self, context=None, kv="f32", confidence=False) -> "Needle3Session":
+        if self.cact.nonfinite:
+            raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
         return Needle3Session(self, context=context, kv=kv, confidence=confidence)
 
 
@@ -126,8 +136,7 @@ class Needle3Session(ChunkedSession):
         sites = len(g.engram_sites)
         # A prefill chunk is as long as the widest per-position scratch row allows under the
         # device's binding limit (64 on any real device).
-        widest = 4 * max(g.head_rows, g.mhc_width, sites * 2 * g.d_model, sites * _pad(g.d_model, G),
-                         g.q_dim + g.k_dim + g.v_dim + g.attn_out)
+        widest = widest_row_bytes(g, G)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
         s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
@@ -155,6 +164,7 @@ class Needle3Session(ChunkedSession):
             if model.confidence is None:
                 raise UnsupportedModelError("this model file has no confidence head (§7)")
             head = model.confidence
+            head.check()
             C = g.num_layers + 1
             self.cells = dev.buffer(F32 * T * C * g.d_model, label="cells", kind="scratch")
             self.cellsh = dev.buffer(F32 * T * C * _pad(g.d_model, G), label="cellsh", kind="scratch")

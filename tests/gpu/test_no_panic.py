@@ -313,15 +313,17 @@ def header_edits_that_load():
 
 
 def test_files_that_load_run_or_raise_a_needle_error(device):
+    """A file is refused at load or serves small requests: what no kernel can run is caught when
+    the model is opened (docs/api.md, "What a model may use"), not at every request."""
     ran = refused = 0
     for word, value, data in list(header_edits_that_load())[::3]:
         try:
             model = Needle3.load(data, device=device)
-            rows = model.logits([2, 600, 5], context=3)
-            result = model.generate(ids=[2, 5, 70000], max_tokens=2, context=8)
         except NeedleError:
             refused += 1
             continue
+        rows = model.logits([2, 600, 5], context=3)
+        result = model.generate(ids=[2, 5, 70000], max_tokens=2, context=8)
         ran += 1
         assert len(rows) == 3, (word, value)
         assert_ids_in_range(model, result.ids)
