@@ -7,26 +7,17 @@ file, no GPU), ``open(parsed, device, progress) -> GpuModel`` and ``describe(par
 
 from __future__ import annotations
 
-import os
-
-from .errors import ContainerError
+from .formats.source import Source
 from .models import needle3
 
 FAMILIES = {"needle3": needle3}
 
 
 def magic(source) -> bytes:
-    """The first four bytes of a path or buffer (fewer if it is shorter)."""
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source, "rb") as f:
-                return f.read(4)
-        except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
-            raise ContainerError(f"file {source!s}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    try:
-        return bytes(memoryview(source)[:4].cast("B"))
-    except (TypeError, ValueError):
-        raise ContainerError(f"expected a path or bytes, got {type(source).__name__}") from None
+    """The first four bytes of a path or buffer (fewer if it is shorter); only a regular file
+    is opened (``formats.source``: a FIFO or device is refused, never waited on)."""
+    with Source(source) as src:
+        return bytes(src.prefix(4))
 
 
 def family_of(source):

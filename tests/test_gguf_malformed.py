@@ -291,3 +291,38 @@ def test_a_claim_of_many_layers_fails_at_the_first_missing_one_in_little_memory(
     finally:
         tracemalloc.stop()
     assert peak < len(data)  # listing 1024 layers' tensor names would take ~2 MB
+
+
+# ----------------------------------------------------------------------------------- paths
+
+
+def test_paths_that_are_not_regular_files_are_refused_without_waiting(tmp_path):
+    import os
+
+    import needle_wgpu
+    from needle_wgpu import families
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)  # nobody writes: an open() that waits would hang the test
+    for call in (lambda: open_gguf(fifo), lambda: families.magic(fifo), lambda: needle_wgpu.load(fifo, device="x"),
+                 lambda: open_gguf("/dev/zero"), lambda: open_gguf(tmp_path)):
+        with pytest.raises(ContainerError, match="not a regular file"):
+            call()
+
+
+def test_a_huge_sparse_tail_is_never_read(tmp_path):
+    """A valid file followed by 16 GiB of holes: only the bytes up to its last tensor are read."""
+    from gguf_samples import dense_gguf
+
+    data = dense_gguf("llama")
+    path = tmp_path / "sparse.gguf"
+    with open(path, "wb") as f:
+        f.write(data)
+        f.truncate(len(data) + (16 << 30))
+    tracemalloc.start()
+    try:
+        f = open_gguf(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f.file_size <= len(data) and peak < 4 * len(data) + (2 << 20)

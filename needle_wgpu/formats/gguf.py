@@ -17,13 +17,13 @@ big-endian files).
 from __future__ import annotations
 
 import codecs
-import os
 import struct
 import sys
 from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
 from .gguf_types import GgmlType, ggml_type
+from .source import read_source
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -31,6 +31,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8  # nested arrays deeper than this are refused (no file needs more than 2)
 MAX_DIM = (1 << 63) - 1  # ne is int64 in ggml
+FIRST_READ = 1 << 20  # the first read of a file: its header and usually all its metadata
 
 # Metadata value types (GGUF spec) and the struct code of each fixed-size one.
 (UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64,
@@ -99,18 +100,30 @@ class GgufTensor:
         return self.n_elements // self.row_width if self.row_width else 0
 
 
+class _NeedMore(Exception):
+    """The bytes read so far end before what is being parsed (the file itself has them)."""
+
+
 class _Cursor:
-    """A read position in the file; every read is bounds-checked and names what it reads."""
+    """A read position in the file; every read is bounds-checked and names what it reads.
 
-    __slots__ = ("data", "at")
+    ``data`` may be the first part of a file of ``size`` bytes (``read_source`` reads a file
+    in rounds): a read past the file's end is a ContainerError, a read past ``data`` alone
+    raises ``_NeedMore``.
+    """
 
-    def __init__(self, data: memoryview, at: int = 0):
+    __slots__ = ("data", "at", "size")
+
+    def __init__(self, data: memoryview, at: int = 0, size: int | None = None):
         self.data, self.at = data, at
+        self.size = len(data) if size is None else size
 
     def take(self, size: int, what: str) -> int:
         start = self.at
+        if size > self.size - start:
+            _fail(what, f"truncated: {size} bytes needed at offset {start}, the file has {self.size}")
         if size > len(self.data) - start:
-            _fail(what, f"truncated: {size} bytes needed at offset {start}, the file has {len(self.data)}")
+            raise _NeedMore
         self.at = start + size
         return start
 
@@ -126,7 +139,7 @@ class _Cursor:
         return _decode(self.data[start : start + size], what)
 
     def remaining(self) -> int:
-        return len(self.data) - self.at
+        return self.size - self.at
 
 
 def _decode(raw: memoryview, what: str) -> str:
@@ -188,7 +201,7 @@ def _read_numbers(cur: _Cursor, item_type: int, count: int, what: str, as_view: 
 
 def _read_strings(cur: _Cursor, count: int, what: str) -> tuple:
     """A string array: the one hot loop of the reader (a tokenizer holds 49k-262k of them)."""
-    data, at, end = cur.data, cur.at, len(cur.data)
+    data, at, end, total = cur.data, cur.at, len(cur.data), cur.size
     items = [None] * count  # count <= remaining / 8: bounded by the file
     unpack, decode = _U64.unpack_from, codecs.utf_8_decode
     i = 0
@@ -197,11 +210,15 @@ def _read_strings(cur: _Cursor, count: int, what: str) -> tuple:
             (size,) = unpack(data, at)
             at += 8
             if size > end - at:
-                _fail(f"{what}[{i}]", f"string of {size} bytes runs past the end of the file ({end} bytes)")
+                if size > total - at:
+                    _fail(f"{what}[{i}]", f"string of {size} bytes runs past the end of the file ({total} bytes)")
+                raise _NeedMore
             items[i] = decode(data[at : at + size], None, True)[0]
             at += size
     except struct.error:
-        _fail(f"{what}[{i}]", f"truncated: the string length at offset {at} runs past the end ({end} bytes)")
+        if at + 8 <= total:
+            raise _NeedMore from None
+        _fail(f"{what}[{i}]", f"truncated: the string length at offset {at} runs past the end ({total} bytes)")
     except UnicodeDecodeError as exc:
         _fail(f"{what}[{i}]", f"invalid UTF-8 at byte {exc.start}")
     cur.at = at
@@ -265,20 +282,27 @@ class GgufFile:
 
     @classmethod
     def parse(cls, data: memoryview) -> "GgufFile":
-        cur = _Cursor(data)
-        version = _read_header(cur)
-        tensor_count, kv_count = cur.u64("header: tensor count"), cur.u64("header: metadata count")
-        # The smallest entry is 13 bytes (empty key, type, u8), the smallest tensor info 24.
-        if kv_count > cur.remaining() // 13:
-            _fail("header", f"metadata count {kv_count} cannot fit in the {cur.remaining()} bytes left")
-        if tensor_count > (cur.remaining() - 13 * kv_count) // 24:
-            _fail("header", f"tensor count {tensor_count} cannot fit in the file ({len(data)} bytes)")
-        fields = _read_fields(cur, kv_count)
-        infos = _read_tensor_infos(cur, tensor_count)
-        alignment = _alignment(fields)
-        data_start = (cur.at + alignment - 1) // alignment * alignment
+        version, fields, infos, alignment, data_start = _read_layout(data, len(data))
         tensors = _make_tensors(data, infos, alignment, data_start)
         return cls(version, alignment, data_start, fields, tensors, len(data))
+
+
+def _read_layout(data: memoryview, size: int) -> tuple:
+    """Header, metadata and tensor infos from the first bytes of a file of ``size`` bytes;
+    ``_NeedMore`` when they run past ``data``."""
+    cur = _Cursor(data, size=size)
+    version = _read_header(cur)
+    tensor_count, kv_count = cur.u64("header: tensor count"), cur.u64("header: metadata count")
+    # The smallest entry is 13 bytes (empty key, type, u8), the smallest tensor info 24.
+    if kv_count > cur.remaining() // 13:
+        _fail("header", f"metadata count {kv_count} cannot fit in the {cur.remaining()} bytes left")
+    if tensor_count > (cur.remaining() - 13 * kv_count) // 24:
+        _fail("header", f"tensor count {tensor_count} cannot fit in the file ({size} bytes)")
+    fields = _read_fields(cur, kv_count)
+    infos = _read_tensor_infos(cur, tensor_count)
+    alignment = _alignment(fields)
+    data_start = (cur.at + alignment - 1) // alignment * alignment
+    return version, fields, infos, alignment, data_start
 
 
 def _read_header(cur: _Cursor) -> int:
@@ -370,22 +394,24 @@ def _make_tensors(data: memoryview, infos: list, alignment: int, data_start: int
 
 
 def open_gguf(source) -> GgufFile:
-    """Validate and open a GGUF file from a path, bytes, bytearray or memoryview."""
-    return GgufFile.parse(_read_source(source))
+    """Validate and open a GGUF file from a path, bytes, bytearray or memoryview.
+
+    A file is read only as far as its own header says it extends (``formats.source``): a FIFO
+    or device is refused, a huge file costs its metadata plus its tensors.
+    """
+    return GgufFile.parse(read_source(source, _bytes_needed, first=FIRST_READ))
 
 
-def _read_source(source) -> memoryview:
-    # The same rules as cact.load; formats/source.py will hold the one copy of them.
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source, "rb") as f:
-                return memoryview(f.read())
-        except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
-            raise ContainerError(f"file {source!s}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+def _bytes_needed(view: memoryview, size: int) -> int:
+    """How many bytes the file takes: the end of its last tensor (read_source's ``needed``)."""
     try:
-        data = memoryview(source)  # not open(): an int would be a file descriptor
-    except TypeError:
-        raise ContainerError(f"expected a path or bytes, got {type(source).__name__}") from None
-    if not data.c_contiguous:
-        return memoryview(data.tobytes())
-    return data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        _, _, infos, _, data_start = _read_layout(view, size)
+    except _NeedMore:
+        return min(size, 2 * len(view))
+    end = data_start
+    for _, ne, gtype, offset in infos:
+        count = 1
+        for dim in ne:
+            count *= dim
+        end = max(end, data_start + offset + count // gtype.block_size * gtype.type_size)
+    return end
