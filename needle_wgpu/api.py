@@ -7,12 +7,16 @@ engine usable for the next one.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
-from .errors import InputError, NeedleError
+from .errors import NeedleError
 from .formats import cact
 from .formats.tokenizer import Tokenizer
+from .gpu.device import Device
+from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, id_list, instance_or_none,
+                     optional_text, stop_strings)
 from .prompt import Completion, parse_completion, prompt_ids
 from .sampling import Sampling, clamp_budget, saturate_ids
 
@@ -39,6 +43,7 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
 
+@checked_methods
 class Needle3:
     """A Needle 3 model on a GPU device. ``Needle3.load(path)`` opens it; sessions are per call."""
 
@@ -52,6 +57,8 @@ class Needle3:
         """Load a .cact v3 file (path or bytes) onto ``device`` (default: the native device)."""
         from .models.needle3 import Needle3Gpu
 
+        instance_or_none(device, Device, "device", " (open one with needle_wgpu.gpu.open_device())")
+        callback_or_none(progress, "progress")
         container = cact.load(source)
         tokenizer = Tokenizer.from_blob(container.tokenizer) if container.tokenizer is not None else None
         if device is None:
@@ -64,15 +71,15 @@ class Needle3:
     def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
         """Token ids of a request: explicit ids, a tool-calling prompt (query + tools), or free text."""
         if ids is not None:
-            return _id_list(ids)
-        tokenizer = self._need_tokenizer()
+            return id_list(ids)
         if query is not None or tools is not None:
-            if system is not None and not isinstance(system, str):
-                system = str(system)
-            return prompt_ids(tokenizer, query or "", tools=tools, system=system)
-        if prompt is None or prompt == "":
+            query, system = as_text(query, "query"), optional_text(system, "system")
+            return prompt_ids(self._need_tokenizer(), query, tools=tools, system=system)
+        prompt = as_text(prompt, "prompt")
+        if not prompt:
             return []
-        return [tokenizer.bos_id] + tokenizer.encode(str(prompt))
+        tokenizer = self._need_tokenizer()
+        return [tokenizer.bos_id] + tokenizer.encode(prompt)
 
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -85,13 +92,16 @@ class Needle3:
                result: GenerationResult | None = None):
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end."""
         g = self.geometry
+        instance_or_none(result, GenerationResult, "result")
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
         stops = self._stop_ids()
-        stop_strings = _stop_strings(stop)
-        out = result if result is not None else GenerationResult("", [], "empty", len(request))
-        out.prompt_tokens, out.clamped_ids = len(request), clamped
+        stops_text = stop_strings(stop)
+        out = GenerationResult("", [], "empty", len(request), clamped)
+        if result is not None:  # the caller's result starts afresh, whatever it held
+            result.__dict__.update(vars(out))
+            out = result
         if not request:
             out.finish_reason = "empty"
             return
@@ -121,9 +131,9 @@ class Needle3:
                 text += piece
                 produced += 1
                 yield TokenEvent(next_id, piece)
-                if any(s in text for s in stop_strings):
+                if any(s in text for s in stops_text):
                     out.finish_reason = "stop"
-                    text = text[: min(text.find(s) for s in stop_strings if s in text)]
+                    text = text[: min(text.find(s) for s in stops_text if s in text)]
                     break
                 if produced >= budget or session.position >= session.context:
                     break
@@ -138,6 +148,7 @@ class Needle3:
 
     def generate(self, prompt=None, **options) -> GenerationResult:
         """Run a whole request; returns text, ids, finish reason, timing and parsed tool calls."""
+        check_keywords("generate", options, GENERATE_OPTIONS)
         result = GenerationResult("", [], "empty", 0)
         for _ in self.stream(prompt, result=result, **options):
             pass
@@ -161,9 +172,10 @@ class Needle3:
         import math
 
         if ids is None:
+            scored = as_text(prompt, "prompt") + as_text(completion, "completion")
             tokenizer = self._need_tokenizer()
-            ids = [tokenizer.bos_id] + tokenizer.encode(str(prompt or "") + str(completion or ""))
-        request, _ = saturate_ids(_id_list(ids))
+            ids = [tokenizer.bos_id] + tokenizer.encode(scored)
+        request, _ = saturate_ids(id_list(ids))
         if not request:
             return 0.5
         session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True)
@@ -176,7 +188,7 @@ class Needle3:
 
     def logits(self, ids, kv="f32", context=None):
         """Logits of every position as a list of float lists (rows = head_rows); [] when empty."""
-        request, _ = saturate_ids(_id_list(ids))
+        request, _ = saturate_ids(id_list(ids))
         if not request:
             return []
         session = self.gpu.session(context=context, kv=kv)
@@ -186,24 +198,8 @@ class Needle3:
             session.close()
 
 
-def _id_list(ids) -> list:
-    """A caller's token ids as a list; each item is saturated later (``sampling.as_u32``)."""
-    if isinstance(ids, (str, bytes, bytearray)):
-        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}")
-    try:
-        return list(ids)
-    except TypeError:
-        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}") from None
-
-
-def _stop_strings(stop) -> list:
-    """Stop strings: one str or an iterable of them; empty and non-str items are ignored."""
-    if isinstance(stop, str):
-        stop = [stop]
-    try:
-        return [s for s in list(stop or ()) if isinstance(s, str) and s]
-    except TypeError:
-        raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
-
+# generate's options: stream's keywords except ``result`` (generate returns its own).
+GENERATE_OPTIONS = tuple(name for name in inspect.signature(Needle3.stream).parameters
+                         if name not in ("self", "prompt", "result"))
 
 Model = Needle3

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
+from ..inputs import byte_view, checked
 from .geometry import Needle3Geometry
 
 TAG_V3 = 0x05E12A84
@@ -253,24 +254,20 @@ def read_header(data: memoryview) -> tuple:
     return HEADER.unpack_from(data, 0)
 
 
+@checked
 def load(source) -> CactFile:
     """Validate and open a container from a path, bytes, bytearray or memoryview."""
     if isinstance(source, (str, os.PathLike)):
         try:
             with open(source, "rb") as f:
                 data = memoryview(f.read())
-        except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
+        except (OSError, ValueError, TypeError) as exc:  # a NUL in the path; __fspath__ not a path
             raise ContainerError(f"file {source!s}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     else:
         # Bytes or any buffer (memoryview, NumPy array). Not open(): an int is a file descriptor.
-        try:
-            data = memoryview(source)
-        except TypeError:
-            raise ContainerError(f"expected a path or bytes, got {type(source).__name__}") from None
-        if not data.c_contiguous:  # a strided view: take a compact copy of its bytes
-            data = memoryview(data.tobytes())
-        elif data.format != "B" or data.ndim != 1:
-            data = data.cast("B")
+        data = byte_view(source)
+        if data is None:
+            raise ContainerError(f"expected a path or bytes, got {type(source).__name__}")
     return parse(data)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..errors import NeedleError, UnsupportedModelError
 from ..formats.cact import CactFile
 from ..gpu.device import Binding, Device, Plan, UniformArena
+from ..inputs import checked_methods
 from ..kernels import attention as attention_ops
 from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
 from ..kernels import probe as probe_ops
@@ -18,6 +19,7 @@ PREFILL_CHUNK = 64
 F32 = 4
 
 
+@checked_methods
 class Needle3Gpu:
     """The model's weights on a device, in quantised form (no dequantised copies)."""
 
@@ -72,6 +74,7 @@ def _pad(width: int, group: int) -> int:
     return (width + group - 1) // group * group
 
 
+@checked_methods
 class Needle3Session(ChunkedSession):
     """One conversation: the KV cache and scratch for a fixed context, and cached plans.
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats import cact
+from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
@@ -88,9 +89,11 @@ class ReferenceModel:
     def prefill(self, ids, cache: KVCache, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Feed ids after what `cache` holds; logits [T, head_rows] of each new position (§6).
 
-        Runs in chunks of `chunk` positions. Raises `ContextFullError`, consuming nothing, when
+        Runs in chunks of `chunk` positions, saturated to [1, max_seq_len] (fractions truncate;
+        NaN, ±inf or not a number -> 64). Raises `ContextFullError`, consuming nothing, when
         the ids do not all fit before max_seq_len (§0 item 8).
         """
+        chunk = clamp_count(chunk, 1, self.geometry.max_seq_len, PREFILL_CHUNK)
         tokens = saturate_ids(ids)
         self._check_cache(cache)
         cache.reserve(len(tokens))
