@@ -73,8 +73,11 @@ def whole_number(value) -> int | None:
     if not isinstance(value, numbers.Number):
         return None
     try:
-        if not isinstance(value, (float, Fraction)) and abs(value) >= _BIG:
-            return _BIG if value > 0 else -_BIG
+        if not isinstance(value, (float, Fraction)):  # Decimal, NumPy long double ...: no float()
+            if value - value != 0:  # NaN or an infinity (a Decimal one raises: the same answer)
+                return None
+            if not -_BIG < value < _BIG:  # compared, not abs(): Decimal arithmetic rounds
+                return _BIG if value > 0 else -_BIG
         whole = int(value)  # truncates; ValueError for NaN, OverflowError for inf, TypeError for complex
         return whole if whole == value else None
     except MemoryError:
@@ -113,6 +116,18 @@ def real_number(value) -> float | None:
 # ----------------------------------------------------------------------------------- ids and text
 
 
+def describe(value, limit: int = 40) -> str:
+    """A short description of a caller's value for a message: its repr when short, else its
+    type's name. Never raises (a broken ``__repr__`` gives the type's name too)."""
+    try:
+        shown = repr(value)
+    except MemoryError:
+        raise
+    except Exception:
+        return type(value).__name__
+    return shown if len(shown) <= limit else type(value).__name__
+
+
 def id_list(ids, name: str = "ids") -> list:
     """A caller's token ids as a list (items are saturated later, ``sampling.as_u32``).
 
@@ -121,11 +136,18 @@ def id_list(ids, name: str = "ids") -> list:
     """
     if isinstance(ids, TEXT_TYPES):
         raise InputError(f"{name} must be a sequence of integers, got {type(ids).__name__}")
+    return list(iterable(ids, f"{name} must be a sequence of integers"))
+
+
+def iterable(value, problem: str):
+    """``iter(value)``, or ``InputError(problem, got <type>)`` when it has none (a number, a
+    released memoryview). The iterator's own exceptions, later, are the caller's."""
     try:
-        iterator = iter(ids)
-    except TypeError:
-        raise InputError(f"{name} must be a sequence of integers, got {type(ids).__name__}") from None
-    return list(iterator)
+        if isinstance(value, memoryview):
+            value.nbytes  # a released one iterates, then fails at its first item
+        return iter(value)
+    except (TypeError, ValueError):  # ValueError: a released memoryview
+        raise InputError(f"{problem}, got {type(value).__name__}") from None
 
 
 def as_text(value, name: str) -> str:
@@ -147,6 +169,12 @@ def optional_text(value, name: str) -> str | None:
     return None if value is None else as_text(value, name)
 
 
+def wants_int8(kv) -> bool:
+    """The KV-cache choice: the text ``"int8"`` in any case; anything else means f32."""
+    kv = _plain(kv)
+    return isinstance(kv, TEXT_TYPES) and as_text(kv, "kv").lower() == "int8"
+
+
 def stop_strings(stop) -> list:
     """Stop strings: one text or an iterable of them. Empty strings and items that are not text
     are ignored; None -> none; anything else -> ``InputError``."""
@@ -155,12 +183,8 @@ def stop_strings(stop) -> list:
         return []
     if isinstance(stop, TEXT_TYPES):
         stop = [stop]
-    try:
-        items = list(iter(stop))
-    except TypeError:
-        raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
     strings = []
-    for item in items:
+    for item in iterable(stop, "stop must be a string or a list of strings"):
         item = _plain(item)
         if isinstance(item, TEXT_TYPES):
             item = as_text(item, "stop")
@@ -190,6 +214,18 @@ def instance_or_none(value, kind: type, name: str, hint: str = ""):
     if value is None or isinstance(value, kind):
         return value
     raise InputError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}{hint}")
+
+
+def flag(value, name: str) -> bool:
+    """A yes/no argument: a bool, None (no), or a whole number (0 is no); anything else, an
+    array included, is an ``InputError`` (its truth value is not a yes or a no)."""
+    value = _plain(value)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    whole = whole_number(value)
+    if whole is None:
+        raise InputError(f"{name} must be True or False, got {type(value).__name__}")
+    return whole != 0
 
 
 def callback_or_none(value, name: str):

@@ -24,7 +24,7 @@ import struct
 from heapq import heappop, heappush
 
 from ..errors import ContainerError, InputError
-from ..inputs import byte_view, checked, whole_number
+from ..inputs import byte_view, checked, describe, iterable, whole_number
 
 # n_pieces, pad_id, eos_id, bos_id, unk_id, add_dummy_prefix, byte_fallback, padding
 HEADER = struct.Struct("<IIIIIBBH")
@@ -212,8 +212,7 @@ class Tokenizer:
         ``InputError`` (there is no piece to saturate to)."""
         whole = whole_number(token_id)
         if whole is None or not 0 <= whole < len(self._pieces):
-            shown = repr(token_id) if len(repr(token_id)) <= 40 else type(token_id).__name__
-            raise InputError(f"token id {shown} is not an id in [0, {len(self._pieces)})")
+            raise InputError(f"token id {describe(token_id)} is not an id in [0, {len(self._pieces)})")
         return whole
 
     @checked
@@ -356,10 +355,7 @@ class Tokenizer:
         one leading space the encoder added is removed. Out-of-range ids are skipped."""
         if isinstance(ids, (str, bytes, bytearray)):
             raise InputError(f"decode takes a sequence of ids, got {type(ids).__name__}")
-        try:
-            raw = b"".join(self.piece_bytes(i) for i in ids)
-        except TypeError:  # not iterable (piece_bytes itself never raises)
-            raise InputError(f"decode takes a sequence of ids, got {type(ids).__name__}") from None
+        raw = b"".join(self.piece_bytes(i) for i in iterable(ids, "decode takes a sequence of ids"))
         text = raw.decode("utf-8", "replace").replace(SPACE, " ")
         if self.add_dummy_prefix and text.startswith(" "):
             text = text[1:]

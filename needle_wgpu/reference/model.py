@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats import cact
+from ..inputs import checked_methods
 from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
@@ -42,11 +43,12 @@ def saturate_ids(ids) -> np.ndarray:
         return np.minimum(wide.astype(np.uint64), np.uint64(U32_MAX)).astype(np.uint32)
     try:
         values = [min(max(operator.index(i), 0), U32_MAX) for i in ids]
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a released memoryview
         raise InputError("token ids must be integers") from None
     return np.array(values, dtype=np.uint32)
 
 
+@checked_methods
 class ReferenceModel:
     """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile)."""
 
