@@ -100,7 +100,8 @@ class Needle3:
         stops_text = stop_strings(stop)
         out = GenerationResult("", [], "empty", len(request), clamped)
         if result is not None:  # the caller's result starts afresh, whatever it held
-            result.__dict__.update(vars(out))
+            for name, value in vars(out).items():
+                setattr(result, name, value)
             out = result
         if not request:
             out.finish_reason = "empty"

@@ -34,28 +34,32 @@ def cache_dir() -> Path:
 
 def default_model(say=print) -> Path:
     """The model used when none is named: $NEEDLE3_MODEL, a needle3.cact in the cache directory,
-    or else a seeded synthetic model of the shipped geometry, written there once."""
+    or else a seeded synthetic model of the shipped geometry, written there once. A cache that
+    cannot be used (a file, no permission) is a ``NeedleError``."""
     named = os.environ.get("NEEDLE3_MODEL")
     if named:
         return Path(named)
-    real = cache_dir() / "needle3.cact"
-    if real.exists():
-        return real
-    synthetic = cache_dir() / "needle3-synthetic-shipped-seed0.cact"
-    if not synthetic.exists():
-        from .synth import synthesize
+    cache = cache_dir()
+    try:
+        real = cache / "needle3.cact"
+        if real.exists():
+            return real
+        synthetic = cache / "needle3-synthetic-shipped-seed0.cact"
+        if not synthetic.exists():
+            from .synth import synthesize
 
-        say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
-        try:
+            say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
             synthetic.parent.mkdir(parents=True, exist_ok=True)
             data = synthesize("shipped", 0)
             tmp = synthetic.with_suffix(".tmp")
             tmp.write_bytes(data)
             tmp.replace(synthetic)
-        except OSError as exc:
-            raise NeedleError(f"cannot write the model cache {synthetic.parent} ({exc.strerror or exc}): "
-                              "name a model, or set NEEDLE_WGPU_CACHE to a writable directory") from None
-    return synthetic
+        return synthetic
+    except OSError as exc:
+        if exc.filename is None:  # not the cache: the message could not be written (main handles it)
+            raise
+        raise NeedleError(f"cannot write the model cache {cache} ({exc.strerror or exc}): "
+                          "name a model, or set NEEDLE_WGPU_CACHE to a writable directory") from None
 
 
 class Progress:

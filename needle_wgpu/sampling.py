@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .inputs import real_number, whole_number
+from .inputs import checked, real_number, whole_number
 
 U32_MAX = 0xFFFFFFFF
 MAX_TEMPERATURE = 100.0
@@ -49,6 +49,7 @@ class Sampling:
         return self.temperature <= 0.0
 
     @classmethod
+    @checked
     def saturate(cls, temperature=0.0, top_k=0, top_p=1.0, seed=0, vocab=U32_MAX) -> "Sampling":
         """temperature: NaN or <= 0 -> 0 (greedy), above 100 (or +inf) -> 100; top_k: NaN or
         <= 0 -> 0 (off), above the vocabulary -> the vocabulary, fractions truncate; top_p: NaN

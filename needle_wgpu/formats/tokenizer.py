@@ -24,7 +24,7 @@ import struct
 from heapq import heappop, heappush
 
 from ..errors import ContainerError, InputError
-from ..inputs import byte_view, checked, describe, iterable, whole_number
+from ..inputs import byte_view, checked, checked_methods, describe, iterable, whole_number
 
 # n_pieces, pad_id, eos_id, bos_id, unk_id, add_dummy_prefix, byte_fallback, padding
 HEADER = struct.Struct("<IIIIIBBH")
@@ -365,6 +365,7 @@ class Tokenizer:
         return StreamDecoder(self, at_text_start=at_text_start)
 
 
+@checked_methods
 class StreamDecoder:
     """Decode one id at a time, returning only newly completed text.
 
