@@ -97,7 +97,7 @@ class Needle3:
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
         stops = self._stop_ids()
-        stops_text = stop_strings(stop)
+        stop_texts = stop_strings(stop)
         out = GenerationResult("", [], "empty", len(request), clamped)
         if result is not None:  # the caller's result starts afresh, whatever it held
             for name, value in vars(out).items():
@@ -132,9 +132,9 @@ class Needle3:
                 text += piece
                 produced += 1
                 yield TokenEvent(next_id, piece)
-                if any(s in text for s in stops_text):
+                if any(s in text for s in stop_texts):
                     out.finish_reason = "stop"
-                    text = text[: min(text.find(s) for s in stops_text if s in text)]
+                    text = text[: min(text.find(s) for s in stop_texts if s in text)]
                     break
                 if produced >= budget or session.position >= session.context:
                     break
