@@ -13,10 +13,14 @@ engine usable for the next one.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
-from .errors import InputError, NeedleError, UnsupportedModelError
+from .errors import NeedleError, UnsupportedModelError
+from .gpu.device import Device
+from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, id_list, instance_or_none,
+                     optional_text, stop_strings)
 from .prompt import Completion
 from .sampling import Sampling, clamp_budget, saturate_ids
 
@@ -43,6 +47,7 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
 
+@checked_methods
 class Model:
     """A model on a GPU device. ``Model.load(source)`` (or ``needle_wgpu.load``) opens a .cact or
     GGUF file; a session (KV cache) is made per call."""
@@ -59,6 +64,8 @@ class Model:
         (default: the native device)."""
         from .families import open_gpu_model
 
+        instance_or_none(device, Device, "device", " (open one with needle_wgpu.gpu.open_device())")
+        callback_or_none(progress, "progress")
         return cls(open_gpu_model(source, device=device, progress=progress))
 
     def describe(self) -> dict:
@@ -74,13 +81,14 @@ class Model:
     def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
         """Token ids of a request: explicit ids, a tool-calling prompt (query + tools), or free text."""
         if ids is not None:
-            return _id_list(ids)
-        if prompt is None and query is None and tools is None:
+            return id_list(ids)
+        if query is not None or tools is not None:
+            query, system = as_text(query, "query"), optional_text(system, "system")
+            return self.chat.request_ids(self._need_tokenizer(), query=query, tools=tools, system=system)
+        prompt = as_text(prompt, "prompt")
+        if not prompt:
             return []
-        if prompt == "" and query is None and tools is None:
-            return []
-        return self.chat.request_ids(self._need_tokenizer(), prompt=prompt, query=query, tools=tools,
-                                     system=system)
+        return self.chat.request_ids(self._need_tokenizer(), prompt=prompt)
 
     def encode(self, text) -> list:
         """The tokenizer's ids of ``text`` (no BOS, no template)."""
@@ -89,7 +97,7 @@ class Model:
     def decode(self, ids) -> str:
         """Text of token ids: each saturated to u32, then ids >= vocab read as vocab - 1."""
         tokenizer = self._need_tokenizer()
-        request, _ = saturate_ids(_id_list(ids))
+        request, _ = saturate_ids(id_list(ids))
         last = self.geometry.vocab - 1  # as the embedding lookup clamps them
         decoder = tokenizer.stream_decoder(at_text_start=True)
         return "".join(decoder.push(min(i, last)) for i in request) + decoder.finish()
@@ -105,13 +113,17 @@ class Model:
                result: GenerationResult | None = None):
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end."""
         g = self.geometry
+        instance_or_none(result, GenerationResult, "result")
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
         stops = self.chat.stop_ids(self.tokenizer)
-        stop_strings = _stop_strings(stop)
-        out = result if result is not None else GenerationResult("", [], "empty", len(request))
-        out.prompt_tokens, out.clamped_ids = len(request), clamped
+        stop_texts = stop_strings(stop)
+        out = GenerationResult("", [], "empty", len(request), clamped)
+        if result is not None:  # the caller's result starts afresh, whatever it held
+            for name, value in vars(out).items():
+                setattr(result, name, value)
+            out = result
         if not request:
             out.finish_reason = "empty"
             return
@@ -141,9 +153,9 @@ class Model:
                 text += piece
                 produced += 1
                 yield TokenEvent(next_id, piece)
-                if any(s in text for s in stop_strings):
+                if any(s in text for s in stop_texts):
                     out.finish_reason = "stop"
-                    text = text[: min(text.find(s) for s in stop_strings if s in text)]
+                    text = text[: min(text.find(s) for s in stop_texts if s in text)]
                     break
                 if produced >= budget or session.position >= session.context:
                     break
@@ -158,6 +170,7 @@ class Model:
 
     def generate(self, prompt=None, **options) -> GenerationResult:
         """Run a whole request; returns text, ids, finish reason, timing and parsed tool calls."""
+        check_keywords("generate", options, GENERATE_OPTIONS)
         result = GenerationResult("", [], "empty", 0)
         for _ in self.stream(prompt, result=result, **options):
             pass
@@ -177,9 +190,10 @@ class Model:
         if not hasattr(self.gpu, "confidence"):
             raise UnsupportedModelError("this model family has no confidence head")
         if ids is None:
+            scored = as_text(prompt, "prompt") + as_text(completion, "completion")
             tokenizer = self._need_tokenizer()
-            ids = [tokenizer.bos_id] + tokenizer.encode(str(prompt or "") + str(completion or ""))
-        request, _ = saturate_ids(_id_list(ids))
+            ids = [tokenizer.bos_id] + tokenizer.encode(scored)
+        request, _ = saturate_ids(id_list(ids))
         if not request:
             return 0.5
         session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True)
@@ -192,7 +206,7 @@ class Model:
 
     def logits(self, ids, kv="f32", context=None):
         """Logits of every position as a list of float lists (rows = head_rows); [] when empty."""
-        request, _ = saturate_ids(_id_list(ids))
+        request, _ = saturate_ids(id_list(ids))
         if not request:
             return []
         session = self.gpu.session(context=context, kv=kv)
@@ -202,24 +216,8 @@ class Model:
             session.close()
 
 
-def _id_list(ids) -> list:
-    """A caller's token ids as a list; each item is saturated later (``sampling.as_u32``)."""
-    if isinstance(ids, (str, bytes, bytearray)):
-        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}")
-    try:
-        return list(ids)
-    except TypeError:
-        raise InputError(f"ids must be a sequence of integers, got {type(ids).__name__}") from None
-
-
-def _stop_strings(stop) -> list:
-    """Stop strings: one str or an iterable of them; empty and non-str items are ignored."""
-    if isinstance(stop, str):
-        stop = [stop]
-    try:
-        return [s for s in list(stop or ()) if isinstance(s, str) and s]
-    except TypeError:
-        raise InputError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
-
+# generate's options: stream's keywords except ``result`` (generate returns its own).
+GENERATE_OPTIONS = tuple(name for name in inspect.signature(Model.stream).parameters
+                         if name not in ("self", "prompt", "result"))
 
 Needle3 = Model  # the first family's name for the same surface

@@ -17,7 +17,7 @@ def _counters(device) -> tuple:
 def run_benchmark(args) -> dict:
     from .cli import Progress, default_model
     from . import load
-    from .sampling import Sampling
+    from .sampling import Sampling, clamp_count
 
     path = args.model or str(default_model())
     started = time.perf_counter()
@@ -26,26 +26,29 @@ def run_benchmark(args) -> dict:
     g = model.geometry
     device = model.gpu.device
     rng = random.Random(0)
-    prompt = [2] + [rng.randrange(4, g.vocab) for _ in range(max(1, args.prompt_tokens) - 1)]
+    # Both counts saturate so that prompt + decode fits the model's context.
+    prompt_tokens = clamp_count(args.prompt_tokens, 1, g.max_seq_len - 1, 64)
+    decode_tokens = clamp_count(args.decode_tokens, 0, g.max_seq_len - prompt_tokens, 16)
+    prompt = [2] + [rng.randrange(4, g.vocab) for _ in range(prompt_tokens - 1)]
     greedy = Sampling.saturate(0.0)
 
     # Warm-up: compiles every pipeline of both plans (not part of the timings).
-    session = model.gpu.session(context=len(prompt) + args.decode_tokens + 2)
+    session = model.gpu.session(context=len(prompt) + decode_tokens + 2)
     session.prefill(prompt[: min(len(prompt), session.chunk)], greedy)
     session.step(greedy)
     session.close()
 
-    session = model.gpu.session(context=len(prompt) + args.decode_tokens + 2)
+    session = model.gpu.session(context=len(prompt) + decode_tokens + 2)
     t0 = time.perf_counter()
     next_id = session.prefill(prompt, greedy)
     prefill_s = time.perf_counter() - t0
     before = _counters(device)
     t1 = time.perf_counter()
-    for _ in range(args.decode_tokens):
+    for _ in range(decode_tokens):
         next_id = session.step(greedy)
     decode_s = time.perf_counter() - t1
     after = _counters(device)
-    steps = max(args.decode_tokens, 1)
+    steps = max(decode_tokens, 1)
     per_step = [(a - b) / steps for a, b in zip(after, before)]
     allocated = dict(device.counters.bytes_allocated)
     described = model.describe()
@@ -56,9 +59,9 @@ def run_benchmark(args) -> dict:
         "host": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
         "load_s": round(load_s, 3),
         "prompt_tokens": len(prompt),
-        "decode_tokens": args.decode_tokens,
-        "prefill_tok_s": round(len(prompt) / prefill_s, 3),
-        "decode_tok_s": round(args.decode_tokens / decode_s, 3),
+        "decode_tokens": decode_tokens,
+        "prefill_tok_s": round(len(prompt) / max(prefill_s, 1e-9), 3),
+        "decode_tok_s": round(decode_tokens / max(decode_s, 1e-9), 3),
         "dispatches_per_decode_step": per_step[0],
         "dispatches_per_layer": round(per_step[0] / g.num_layers, 2),
         "submits_per_decode_step": per_step[1],
@@ -70,9 +73,10 @@ def run_benchmark(args) -> dict:
     }
     session.close()
     if args.reference:
-        result.update(_reference_speed(path, prompt, args.decode_tokens))
-        result["gpu_over_reference_prefill"] = round(result["prefill_tok_s"] / result["reference_prefill_tok_s"], 3)
-        result["gpu_over_reference_decode"] = round(result["decode_tok_s"] / result["reference_decode_tok_s"], 3)
+        result.update(_reference_speed(path, prompt, decode_tokens))
+        for phase in ("prefill", "decode"):
+            reference = max(result[f"reference_{phase}_tok_s"], 1e-9)
+            result[f"gpu_over_reference_{phase}"] = round(result[f"{phase}_tok_s"] / reference, 3)
     text = json.dumps(result, indent=2)
     print(text)
     with open(args.json, "w") as f:
@@ -95,5 +99,5 @@ def _reference_speed(path, prompt, decode_tokens) -> dict:
     for _ in range(steps):
         token = int(reference.decode_step(token, cache).argmax())
     decode_s = time.perf_counter() - t1
-    return {"reference_prefill_tok_s": round(len(prompt) / prefill_s, 3),
-            "reference_decode_tok_s": round(steps / decode_s, 3)}
+    return {"reference_prefill_tok_s": round(len(prompt) / max(prefill_s, 1e-9), 3),
+            "reference_decode_tok_s": round(steps / max(decode_s, 1e-9), 3)}

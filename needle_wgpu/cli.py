@@ -1,11 +1,18 @@
-"""The ``needle-wgpu`` command: generate, info, bench, synth."""
+"""The ``needle-wgpu`` command: generate, info, bench, synth.
+
+It never prints a traceback: a ``NeedleError`` is one line on stderr and exit status 2, output
+that cannot be written (a full disk, a closed pipe) is handled, and text that the terminal's
+encoding cannot show is escaped rather than fatal.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
 
 from .errors import NeedleError
@@ -16,29 +23,43 @@ DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a ci
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("NEEDLE_WGPU_CACHE", Path.home() / ".cache" / "needle-wgpu"))
+    named = os.environ.get("NEEDLE_WGPU_CACHE")
+    if named:
+        return Path(named)
+    try:
+        return Path.home() / ".cache" / "needle-wgpu"
+    except (RuntimeError, KeyError):  # no home directory to be found
+        return Path(tempfile.gettempdir()) / "needle-wgpu-cache"
 
 
 def default_model(say=print) -> Path:
     """The model used when none is named: $NEEDLE3_MODEL, a needle3.cact in the cache directory,
-    or else a seeded synthetic model of the shipped geometry, written there once."""
+    or else a seeded synthetic model of the shipped geometry, written there once. A cache that
+    cannot be used (a file, no permission) is a ``NeedleError``."""
     named = os.environ.get("NEEDLE3_MODEL")
     if named:
         return Path(named)
-    real = cache_dir() / "needle3.cact"
-    if real.exists():
-        return real
-    synthetic = cache_dir() / "needle3-synthetic-shipped-seed0.cact"
-    if not synthetic.exists():
-        from .synth import synthesize
+    cache = cache_dir()
+    try:
+        real = cache / "needle3.cact"
+        if real.exists():
+            return real
+        synthetic = cache / "needle3-synthetic-shipped-seed0.cact"
+        if not synthetic.exists():
+            from .synth import synthesize
 
-        say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
-        synthetic.parent.mkdir(parents=True, exist_ok=True)
-        data = synthesize("shipped", 0)
-        tmp = synthetic.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(synthetic)
-    return synthetic
+            say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
+            synthetic.parent.mkdir(parents=True, exist_ok=True)
+            data = synthesize("shipped", 0)
+            tmp = synthetic.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(synthetic)
+        return synthetic
+    except OSError as exc:
+        if exc.filename is None:  # not the cache: the message could not be written (main handles it)
+            raise
+        raise NeedleError(f"cannot write the model cache {cache} ({exc.strerror or exc}): "
+                          "name a model, or set NEEDLE_WGPU_CACHE to a writable directory") from None
 
 
 class Progress:
@@ -82,7 +103,8 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     if "query" in request:
         completion = model.chat.parse(result.text)
-        print(json.dumps({"tool_calls": completion.tool_calls, "problems": completion.problems}, ensure_ascii=False))
+        calls = {"tool_calls": completion.tool_calls, "problems": completion.problems}
+        print(json.dumps(calls, ensure_ascii=not _writes_utf8(sys.stdout)))
     print(f"[{len(result.ids)} tokens, finish: {result.finish_reason}, prompt {result.prompt_tokens} tokens, "
           f"first token {result.time_to_first_token_s * 1000:.0f} ms, prefill {result.prefill_tokens_per_s:.1f} tok/s, "
           f"decode {result.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
@@ -99,8 +121,17 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import run_benchmark
 
+    _check_writable(args.json)  # before minutes of benchmarking, not after
     run_benchmark(args)
     return 0
+
+
+def _check_writable(path) -> None:
+    """Raise the OSError that writing ``path`` would raise, leaving no new file behind."""
+    existed = os.path.lexists(path)
+    open(path, "a").close()
+    if not existed:
+        os.remove(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark prefill/decode and write JSON")
     bench.add_argument("model", nargs="?")
-    bench.add_argument("--prompt-tokens", type=int, default=64)
-    bench.add_argument("--decode-tokens", type=int, default=16)
+    bench.add_argument("--prompt-tokens", type=float, default=64)
+    bench.add_argument("--decode-tokens", type=float, default=16)
     bench.add_argument("--reference", action="store_true", default=True)
     bench.add_argument("--no-reference", dest="reference", action="store_false")
     bench.add_argument("--json", default="bench.json")
@@ -139,23 +170,132 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def join_option_values(parser: argparse.ArgumentParser, argv: list) -> list:
+    """argparse takes ``-inf`` or ``-1e5`` after an option for another option ("expected one
+    argument"). A token that follows an option taking a value, starts with one '-' and is no
+    option of the parser is that option's value: join them (``--seed=-inf``)."""
+    takes_value, known = set(), set()
+    parsers = [parser]
+    while parsers:
+        current = parsers.pop()
+        for action in current._actions:  # argparse has no public view of its options
+            known.update(action.option_strings)
+            if action.option_strings and action.nargs is None:
+                takes_value.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return out + argv[i:]
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if (token in takes_value and following is not None and following.startswith("-")
+                and not following.startswith("--") and following != "-" and following not in known):
+            out.append(f"{token}={following}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
+def private_runtime_dir() -> None:
+    """Vulkan drivers (Mesa's lavapipe) print "XDG_RUNTIME_DIR is invalid or not set" twice
+    when the process has none: give it a private one (mode 0700) before any GPU is opened."""
+    current = os.environ.get("XDG_RUNTIME_DIR")
+    if current and os.path.isdir(current):
+        return
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    path = os.path.join(tempfile.gettempdir(), f"needle-wgpu-runtime-{uid}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return
+    try:
+        info = os.lstat(path)
+        private = stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077
+        os.environ["XDG_RUNTIME_DIR"] = path if private else tempfile.mkdtemp(prefix="needle-wgpu-runtime-")
+    except OSError:
+        pass
+
+
+def _writes_utf8(stream) -> bool:
+    return (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "") == "utf8"
+
+
+def _prepare_streams() -> None:
+    """Output never fails on a character the encoding lacks (``PYTHONIOENCODING=ascii``, a lone
+    surrogate): it is written escaped. A closed stdout or stderr becomes a null device."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w"))
+        elif hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError, AttributeError):
+                pass
+
+
+def _silence_stdout() -> None:
+    """After stdout failed (a closed pipe, /dev/full), point it at the null device so that the
+    interpreter's last flush at exit does not fail again and print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
+        pass
+
+
+def _say(message: str) -> None:
+    """One line on stderr; a stderr that cannot be written is not a second failure."""
+    try:
+        print(f"needle-wgpu: {message}", file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+
+
+def _output_failed(exc: OSError) -> int:
+    _silence_stdout()
+    _say(f"cannot write output: {exc.strerror or exc}")
+    return 1
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["synth"]:  # synth has its own parser (needle_wgpu.synth.synth_main)
-        from .synth import synth_main
-
-        return synth_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    _prepare_streams()
+    private_runtime_dir()
     try:
-        return args.run(args)
+        if argv[:1] == ["synth"]:  # synth has its own parser (needle_wgpu.synth.synth_main)
+            from .synth import synth_main
+
+            status = synth_main(argv[1:])
+        else:
+            parser = build_parser()
+            args = parser.parse_args(join_option_values(parser, argv))
+            status = args.run(args)
+        sys.stdout.flush()
+        return status
     except NeedleError as exc:
-        print(f"needle-wgpu: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # stdout closed early (e.g. piped into head): not an error
-        sys.stderr.close()
+        _silence_stdout()
         return 0
+    except OSError as exc:  # output that cannot be written: a full disk, a bench.json path
+        if exc.filename is not None:
+            _say(f"{exc.filename}: {exc.strerror or exc}")
+            return 1
+        return _output_failed(exc)
+    except Exception as exc:  # a bug: still one line, never a traceback
+        _say(f"internal error, please report it: {type(exc).__name__}: {exc}")
+        return 70
 
 
 if __name__ == "__main__":

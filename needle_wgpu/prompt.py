@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from .errors import InputError
+from .inputs import as_text, checked
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_START, THINK_END = "<think>", "</think>"
@@ -30,6 +31,7 @@ EOS_TEXT = "</s>"
 # ----------------------------------------------------------------------------- the prompt
 
 
+@checked
 def compact_tools_json(tools) -> str:
     """Tools as compact JSON: ``separators=(",", ":")``, ``ensure_ascii=False``, key order kept.
 
@@ -67,13 +69,15 @@ def _json_kind(value) -> str:
     return names.get(type(value), f"a {type(value).__name__}")
 
 
+@checked
 def build_prompt(query: str, tools=None, system: str | None = None) -> str:
     """The §9 prompt text. ``tools=None`` means no tools (``[]``).
 
     As upstream renders its training examples, ``system`` is stripped and the system turn is
-    left out when it is empty.
+    left out when it is empty. ``query`` and ``system`` are text (``inputs.as_text``: a str,
+    bytes decoded as UTF-8, None as empty); anything else raises ``InputError``.
     """
-    system = ("" if system is None else str(system)).strip()
+    query, system = as_text(query, "query"), as_text(system, "system").strip()
     prefix = f"{IM_START}system\n{system}{IM_END}\n" if system else ""
     return (f"{prefix}{IM_START}user\n{TOOLS_START}{compact_tools_json(tools)}{TOOLS_END}\n"
             f"{query}{IM_END}\n{IM_START}assistant\n")
@@ -103,6 +107,7 @@ class Completion:
     abstained: bool = False
 
 
+@checked
 def parse_completion(text) -> Completion:
     """Parse ``<think>…</think><tool_call>[…]</tool_call>``; never raises (§9)."""
     problems = []

@@ -7,8 +7,9 @@ negative values and absurd sizes all have one documented meaning.
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .inputs import checked, real_number, whole_number
 
 U32_MAX = 0xFFFFFFFF
 MAX_TEMPERATURE = 100.0
@@ -16,68 +17,73 @@ MIN_TOP_P = 1e-6
 
 
 def _number(value, default: float) -> float:
-    """``float(value)``; an integer too large for a float is ±inf, anything else -> default."""
-    try:
-        return float(value)
-    except OverflowError:
-        try:
-            return math.inf if value > 0 else -math.inf
-        except Exception:  # an exotic type whose comparison fails too
-            return default
-    except (TypeError, ValueError):
-        return default
+    """``value`` read as a float (``inputs.real_number``: huge integers are ±inf); a value that
+    is not a number -> ``default``."""
+    number = real_number(value)
+    return default if number is None else number
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Validated decoding parameters. Build with ``Sampling.saturate``; never raises."""
+    """Decoding parameters, always valid: however it is built, each field saturates by the rules
+    of ``saturate`` (``Sampling(temperature=NAN)`` is greedy). ``saturate`` also clamps top_k
+    to a vocabulary. Never raises."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
 
+    def __post_init__(self):
+        t = _number(self.temperature, 0.0)
+        t = 0.0 if (math.isnan(t) or t <= 0.0) else min(t, MAX_TEMPERATURE)
+        k = _number(self.top_k, 0.0)
+        k = 0 if (math.isnan(k) or k <= 0) else int(min(k, U32_MAX))
+        p = _number(self.top_p, 1.0)
+        p = 1.0 if (math.isnan(p) or p >= 1.0) else max(p, MIN_TOP_P)
+        for name, value in (("temperature", t), ("top_k", k), ("top_p", p), ("seed", saturate_seed(self.seed))):
+            object.__setattr__(self, name, value)
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     @classmethod
-    def saturate(cls, temperature=0.0, top_k=0, top_p=1.0, seed=0, vocab: int = U32_MAX) -> "Sampling":
+    @checked
+    def saturate(cls, temperature=0.0, top_k=0, top_p=1.0, seed=0, vocab=U32_MAX) -> "Sampling":
         """temperature: NaN or <= 0 -> 0 (greedy), above 100 (or +inf) -> 100; top_k: NaN or
         <= 0 -> 0 (off), above the vocabulary -> the vocabulary, fractions truncate; top_p: NaN
-        or >= 1 -> 1 (off), <= 0 -> 1e-6 (only the most likely token); seed: integers reduced
-        modulo 2^32, other numbers truncated first, NaN or ±inf -> 0. A value ``float()``
-        cannot read (None, "abc", a list) takes the default in the signature."""
-        t = _number(temperature, 0.0)
-        t = 0.0 if (math.isnan(t) or t <= 0.0) else min(t, MAX_TEMPERATURE)
-        k = _number(top_k, 0.0)
-        k = 0 if (math.isnan(k) or k <= 0) else int(min(k, vocab))
-        p = _number(top_p, 1.0)
-        p = 1.0 if (math.isnan(p) or p >= 1.0) else max(p, MIN_TOP_P)
-        if isinstance(seed, numbers.Integral):
-            s = int(seed) & U32_MAX
-        else:
-            s = _number(seed, 0.0)
-            s = 0 if (math.isnan(s) or math.isinf(s)) else int(s) & U32_MAX
-        return cls(t, k, p, s)
+        or >= 1 -> 1 (off), <= 0 -> 1e-6 (only the most likely token); seed: ``saturate_seed``.
+        A value that is not a number (None, "abc", a list) takes the default in the signature;
+        strings ``float()`` reads ("0.7", "inf") count as those numbers."""
+        sampling = cls(temperature, top_k, top_p, seed)
+        vocab = clamp_count(vocab, 0, U32_MAX, U32_MAX)
+        return sampling if sampling.top_k <= vocab else replace(sampling, top_k=vocab)
+
+
+def saturate_seed(seed) -> int:
+    """A seed as a u32: whole numbers modulo 2^32 (-1 -> 2^32 - 1), other numbers truncated
+    first, NaN, ±inf and what is not a number -> 0."""
+    whole = whole_number(seed)
+    if whole is None:
+        number = _number(seed, 0.0)
+        whole = int(number) if math.isfinite(number) else 0
+    return whole & U32_MAX
 
 
 def as_u32(value) -> tuple:
     """One token id as a u32 (spec §0 item 1): (id, whether it had to be changed).
 
-    Integers (int, bool, NumPy integers) and integral reals (``7.0``) keep their value, clamped
-    to [0, 2^32 - 1]; everything else (``7.5``, NaN, infinities, strings, None) becomes 0.
+    Whole numbers (``inputs.whole_number``: int, bool, NumPy integers, ``7.0``,
+    ``Fraction(14, 2)``, ``Decimal("7")``) keep their value, clamped to [0, 2^32 - 1];
+    everything else (``7.5``, NaN, infinities, strings, None, durations) becomes 0.
     """
-    if type(value) is not int:
-        if isinstance(value, numbers.Integral):
-            value = int(value)
-        elif isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-            value = int(value)
-        else:
-            return 0, True
-    if 0 <= value <= U32_MAX:
-        return value, False
-    return (0 if value < 0 else U32_MAX), True
+    whole = whole_number(value)
+    if whole is None:
+        return 0, True
+    if 0 <= whole <= U32_MAX:
+        return whole, False
+    return (0 if whole < 0 else U32_MAX), True
 
 
 def saturate_ids(ids, vocab: int | None = None) -> tuple:
@@ -99,3 +105,14 @@ def clamp_budget(max_tokens, remaining: int) -> int:
     if math.isnan(value) or value <= 0 or remaining <= 0:
         return 0
     return int(min(value, remaining))
+
+
+def clamp_count(value, low: int, high: int, default: int) -> int:
+    """A whole count in [low, high] (a context length, a chunk size): fractions truncate;
+    NaN, ±inf and what is not a number -> ``default``."""
+    number = _number(value, math.nan)
+    if not math.isfinite(number):
+        return default
+    whole = whole_number(value)
+    whole = int(number) if whole is None else whole
+    return max(low, min(whole, high))

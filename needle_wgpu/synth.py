@@ -25,6 +25,7 @@ from .errors import NeedleError
 from .formats.cact_writer import Record, write_cact
 from .formats.geometry import Needle3Geometry
 from .formats.tokenizer import synthetic_tokenizer_blob
+from .sampling import saturate_seed
 
 GROUP = 128
 EMBEDDING_BITS = MHC_BITS = HEAD_BITS = 4
@@ -85,8 +86,8 @@ def geometry_named(geometry) -> Needle3Geometry:
 class _Draws:
     """The seeded random source; every tensor is drawn in canon order, so a seed fixes a file."""
 
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(saturate_seed(seed))  # any number: the sampling seed rule
 
     def normal(self, shape, std: float, mean: float = 0.0) -> np.ndarray:
         values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
@@ -235,15 +236,18 @@ def synthesize(geometry, seed: int, heads: bool = True) -> bytes:
 
 
 def synth_main(argv: list) -> int:
-    """``synth --geometry {tiny,small,shipped} --seed N -o FILE.cact``; returns an exit status."""
+    """``synth --geometry {tiny,small,shipped} --seed N -o FILE.cact``; returns an exit status.
+    The seed saturates as a sampling seed does (-1 -> 2^32 - 1, NaN -> 0)."""
     parser = argparse.ArgumentParser(prog="needle-wgpu synth",
                                      description="Write a seeded random Needle 3 .cact v3 model.")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=saturate_seed, default=0)
     parser.add_argument("--no-heads", action="store_true", help="omit the confidence probe head")
     parser.add_argument("-o", "--output", required=True, help="path of the .cact file to write")
+    from .cli import join_option_values
+
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(join_option_values(parser, argv))
     except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
         return int(exit_request.code or 0)
     try:

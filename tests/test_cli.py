@@ -1,8 +1,15 @@
 """The needle-wgpu command line: synth and info without a GPU, errors as exit codes."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from needle_wgpu import cli
+from needle_wgpu.synth import synthesize
 
 
 def test_synth_then_info(tmp_path, capsys):
@@ -22,3 +29,111 @@ def test_info_on_a_corrupt_file_is_a_clean_error(tmp_path, capsys):
     bad.write_bytes(b"not a model at all")
     assert cli.main(["info", str(bad)]) == 2
     assert "wrong tag" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------- no traceback, ever
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args, env=None, **options):
+    """``python -m needle_wgpu ARGS`` from this checkout, without a runtime directory unless
+    ``env`` sets one."""
+    environment = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    environment["PYTHONPATH"] = str(ROOT)
+    environment.update(env or {})
+    return subprocess.run([sys.executable, *args], env=environment, capture_output=True, timeout=300, **options)
+
+
+def assert_clean(stderr: bytes):
+    text = stderr.decode("utf-8", "replace")
+    assert "Traceback" not in text and "Exception ignored" not in text, text
+    assert "XDG_RUNTIME_DIR" not in text, text
+
+
+def test_synth_seed_saturates(tmp_path, capsys):
+    out = tmp_path / "tiny.cact"
+    assert cli.main(["synth", "--geometry", "tiny", "--seed", "-1", "-o", str(out)]) == 0
+    assert out.read_bytes() == synthesize("tiny", 2 ** 32 - 1)
+    assert cli.main(["synth", "--geometry", "tiny", "--seed", "-inf", "-o", str(out)]) == 0
+    assert out.read_bytes() == synthesize("tiny", 0)
+    assert "seed 0," in capsys.readouterr().out
+
+
+def test_bench_checks_its_json_path_before_running(tmp_path, capsys, monkeypatch):
+    from needle_wgpu import bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_benchmark", lambda args: ran.append(args))
+    assert cli.main(["bench", str(tmp_path / "unused.cact"), "--json", "/nonexistent/x"]) == 1
+    assert ran == [] and "needle-wgpu: /nonexistent/x: No such file or directory" in capsys.readouterr().err
+    assert cli.main(["bench", str(tmp_path / "unused.cact"), "--json", str(tmp_path / "b.json")]) == 0
+    assert len(ran) == 1 and not (tmp_path / "b.json").exists()  # the check leaves no file behind
+
+
+def test_a_file_as_the_cache_directory_is_a_clean_error(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "a-file"
+    cache.write_text("not a directory")
+    monkeypatch.delenv("NEEDLE3_MODEL", raising=False)
+    monkeypatch.setenv("NEEDLE_WGPU_CACHE", str(cache))
+    assert cli.main(["generate", "--quiet"]) == 2
+    assert f"needle-wgpu: cannot write the model cache {cache}" in capsys.readouterr().err
+
+
+def test_output_to_a_full_disk_is_exit_status_1(tmp_path):
+    model = tmp_path / "tiny.cact"
+    model.write_bytes(synthesize("tiny", 0))
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "needle_wgpu", "info", str(model)], stdout=full,
+                              stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert done.returncode == 1
+    assert_clean(done.stderr)
+    assert b"needle-wgpu: cannot write output: No space left on device" in done.stderr
+
+
+def test_generate_in_ascii_with_negative_values_and_no_runtime_dir(tmp_path):
+    """One real run on the GPU: no driver noise, no encoding error, negative values accepted."""
+    model = tmp_path / "tiny.cact"
+    model.write_bytes(synthesize("tiny", 0))
+    done = run_cli(["-m", "needle_wgpu", "generate", str(model), "--prompt", "héllo wörld", "--max-tokens", "6",
+                    "--temperature", "-1e5", "--seed", "-inf", "--top-k", "-1", "--quiet"],
+                   env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0, done.stderr
+    assert_clean(done.stderr)
+    done.stdout.decode("ascii")  # escaped, not refused
+    assert b"finish: length" in done.stderr
+
+
+TOOL_CALL_SCRIPT = """
+import sys
+from needle_wgpu import cli
+from needle_wgpu.engine import TokenEvent
+from needle_wgpu.prompt import Needle3Chat
+
+class Model:  # answers one tool call whose name holds a lone surrogate
+    chat = Needle3Chat()
+
+    def stream(self, result=None, **options):
+        result.text = '<tool_call>[{"name":"\\\\ud800x","arguments":{}}]</tool_call>'
+        result.ids = [5]
+        yield TokenEvent(5, "")
+
+cli._load = lambda path, progress: Model()
+sys.exit(cli.main(["generate", "unused.cact", "--query", "q", "--quiet"]))
+"""
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "utf-8"])
+def test_tool_call_names_with_lone_surrogates_are_printed(encoding):
+    done = run_cli(["-c", TOOL_CALL_SCRIPT], env={"PYTHONIOENCODING": encoding})
+    assert done.returncode == 0, done.stderr
+    assert_clean(done.stderr)
+    calls = json.loads(done.stdout.decode(encoding).splitlines()[-1])
+    assert calls["tool_calls"] == [{"name": "\ud800x", "arguments": {}}]
+
+
+def test_the_runtime_dir_is_private():
+    done = run_cli(["-c", "import os; from needle_wgpu import cli; cli.private_runtime_dir(); "
+                          "d = os.environ['XDG_RUNTIME_DIR']; print(d, oct(os.stat(d).st_mode & 0o777), os.getuid() == os.stat(d).st_uid)"])
+    path, mode, owned = done.stdout.decode().split()
+    assert mode == "0o700" and owned == "True" and Path(path).is_dir()

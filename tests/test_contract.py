@@ -5,11 +5,17 @@ plain Python around a session; here the session is a recording double, so every 
 milliseconds. ``tests/gpu/test_no_panic.py`` checks the same rules against the real model.
 """
 
+import decimal
 import json
+import math
+import os
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from needle_wgpu import cli, errors, prompt
 from needle_wgpu.engine import GenerationResult, Needle3
@@ -17,7 +23,9 @@ from needle_wgpu.errors import (ContainerError, ContextFullError, DeviceError, D
                                 InputError, NeedleError, OutOfMemoryError, UnsupportedModelError)
 from needle_wgpu.formats import cact
 from needle_wgpu.formats.tokenizer import Tokenizer, synthetic_tokenizer
-from needle_wgpu.sampling import U32_MAX, Sampling, as_u32, clamp_budget, saturate_ids
+from needle_wgpu.inputs import real_number, whole_number
+from needle_wgpu.models.session import clamp_context
+from needle_wgpu.sampling import U32_MAX, Sampling, as_u32, clamp_budget, clamp_count, saturate_ids, saturate_seed
 from needle_wgpu.prompt import Needle3Chat
 from needle_wgpu.synth import GEOMETRIES, synthesize
 
@@ -38,13 +46,8 @@ class RecordingSession:
     """
 
     def __init__(self, model, context=None, kv="f32", confidence=False):
-        limit = model.geometry.max_seq_len
-        try:
-            context = int(context) if context is not None else limit
-        except (TypeError, ValueError, OverflowError):
-            context = limit
         self.model = model
-        self.context = max(1, min(context, limit))
+        self.context = clamp_context(context, model.geometry.max_seq_len)  # checked on its own below
         self.kv = kv
         self.position = 0
         self.closed = False
@@ -425,10 +428,270 @@ def test_cli_generate_saturates_and_maps_input_errors(tmp_path, capsys, monkeypa
     assert "needle-wgpu: tools: invalid JSON" in capsys.readouterr().err
 
 
+def test_cli_takes_negative_values(tmp_path, capsys, monkeypatch):
+    model = engine(script=TOKENIZER.encode("a -x b"))
+    monkeypatch.setattr(cli, "_load", lambda path, progress: model)
+    assert cli.main(["generate", str(tmp_path / "unused.cact"), "--prompt", "hi", "--max-tokens", "5",
+                     "--seed", "-inf", "--temperature", "-1e5", "--top-k", "-1e5", "--top-p", "-1e-5",
+                     "--stop", "-x", "--quiet"]) == 0
+    assert model.gpu.sessions[-1].sampling == Sampling(0.0, 0, 1e-6, 0)
+    assert "finish: stop" in capsys.readouterr().err
+
+
+def test_cli_joins_an_option_and_its_dash_value():
+    parser = cli.build_parser()
+    assert cli.join_option_values(parser, ["generate", "--seed", "-inf", "--stop", "-x", "--quiet", "--", "-y"]) == [
+        "generate", "--seed=-inf", "--stop=-x", "--quiet", "--", "-y"]
+    assert cli.join_option_values(parser, ["generate", "--max-tokens", "-h"]) == ["generate", "--max-tokens", "-h"]
+
+
 def test_cli_usage_errors_exit_through_argparse():
     with pytest.raises(SystemExit) as exit_request:
         cli.main(["generate", "--max-tokens", "many"])
     assert exit_request.value.code == 2
+
+
+# ----------------------------------------------------------------------------------- numbers of any type
+
+
+D = decimal.Decimal
+
+
+@pytest.mark.parametrize("value,expected,changed", [
+    (Fraction(10 ** 400), U32_MAX, True), (Fraction(-(10 ** 400)), 0, True), (Fraction(14, 2), 7, False),
+    (Fraction(1, 3), 0, True), (D("7"), 7, False), (D("7.000"), 7, False), (D("2.5"), 0, True),
+    (D("1e999999999"), U32_MAX, True), (D("-1e999999999"), 0, True), (D("NaN"), 0, True), (D("sNaN"), 0, True),
+    (D("Infinity"), 0, True), (complex(3, 0), 0, True), (-0.0, 0, False),
+])
+def test_as_u32_reads_whole_numbers_of_any_type(value, expected, changed):
+    assert as_u32(value) == (expected, changed)
+
+
+def test_numpy_values_are_read_by_their_value():
+    np = pytest.importorskip("numpy")
+    cases = [(np.bool_(True), (1, False)), (np.array(5), (5, False)), (np.array(7.0), (7, False)),
+             (np.float16(3), (3, False)), (np.array([1, 2]), (0, True)), (np.timedelta64(5, "s"), (0, True)),
+             (np.datetime64("2020-01-01"), (0, True)), (np.longdouble("1e4000"), (U32_MAX, True)),
+             (np.complex128(1j), (0, True)), (np.str_("7"), (0, True))]
+    assert [as_u32(value) for value, _ in cases] == [expected for _, expected in cases]
+    assert real_number(np.array([0.5])) is None  # an array is not a number (no size-1 guessing)
+    assert Sampling.saturate(temperature=np.array([0.5, 1.0]), top_p=np.float32(0.5)) == Sampling(0.0, 0, 0.5, 0)
+
+
+def test_duration_arrays_as_ids_are_zeros():
+    np = pytest.importorskip("numpy")
+    model = engine()
+    result = model.generate(ids=np.array([1, 2], dtype="timedelta64[s]"), max_tokens=1)
+    assert model.gpu.sessions[-1].prefilled == [0, 0] and result.clamped_ids == 2
+
+
+anything = st.one_of(
+    st.integers(), st.integers(-(2 ** 80), 2 ** 80), st.floats(), st.fractions(),
+    st.decimals(allow_nan=True, allow_infinity=True), st.complex_numbers(), st.text(max_size=8),
+    st.binary(max_size=8), st.none(), st.booleans(), st.lists(st.integers(), max_size=2), st.timedeltas(),
+    st.sampled_from([D("1e999999999"), D("-sNaN"), Fraction(10 ** 400), "1e400", "-inf", "nan", object()]))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(value=anything)
+def test_number_readers_take_anything(value):
+    """Every reader maps any value to one in its documented range, never raising."""
+    u32, _ = as_u32(value)
+    assert isinstance(u32, int) and 0 <= u32 <= U32_MAX
+    whole, real = whole_number(value), real_number(value)
+    assert whole is None or type(whole) is int
+    assert real is None or type(real) is float
+    s = Sampling.saturate(value, value, value, value, vocab=512)
+    assert 0.0 <= s.temperature <= 100.0 and 0 <= s.top_k <= 512 and 1e-6 <= s.top_p <= 1.0
+    assert 0 <= s.seed <= U32_MAX and 0 <= saturate_seed(value) <= U32_MAX
+    assert 1 <= clamp_context(value, 256) <= 256 and 0 <= clamp_budget(value, 10) <= 10
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(value=st.fractions())
+def test_a_fraction_is_an_id_only_when_whole(value):
+    if value.denominator == 1:
+        n = value.numerator
+        assert as_u32(value) == (min(max(n, 0), U32_MAX), not 0 <= n <= U32_MAX)
+    else:
+        assert as_u32(value) == (0, True)
+
+
+def test_a_sampling_built_directly_saturates_too():
+    assert Sampling(temperature=NAN, top_k=2.5, top_p=-1, seed=-1) == Sampling(0.0, 2, 1e-6, U32_MAX)
+    assert Sampling("x", None, INF, Fraction(10 ** 400)) == Sampling(0.0, 0, 1.0, (10 ** 400) & U32_MAX)
+
+
+@pytest.mark.parametrize("context,expected", [
+    (None, 256), (0, 1), (-5, 1), (6.9, 6), ("6", 6), ("6.5", 6), (NAN, 256), (INF, 256), (-INF, 256),
+    (10 ** 400, 256), (-(10 ** 400), 256), ("x", 256), ([8], 256), (Fraction(13, 2), 6), (D("7"), 7), (True, 1),
+])
+def test_context_rule(context, expected):
+    assert clamp_context(context, 256) == expected
+    assert engine().logits([2] * 300, context=context) == [[0.0] * 512] * expected
+
+
+def test_reference_prefill_chunk_saturates():
+    np = pytest.importorskip("numpy")
+    from needle_wgpu.reference.model import ReferenceModel
+
+    reference = ReferenceModel(synthesize("tiny", 0))
+    ids = [2, 17, 300, 5, 9]
+
+    def run(chunk):
+        return reference.prefill(ids, reference.new_cache(), chunk=chunk)
+
+    for chunk, same_as in ((0, 1), (-1, 1), (2.5, 2), (NAN, 64), (INF, 64), (None, 64), ("x", 64), (10 ** 9, 64)):
+        np.testing.assert_array_equal(run(chunk), run(same_as))
+    assert clamp_count(10 ** 9, 1, 256, 64) == 256
+
+
+# ----------------------------------------------------------------------------------- text arguments
+
+
+NOT_TEXT = [5, 2.5, ["a"], object()]
+
+
+@pytest.mark.parametrize("value", NOT_TEXT + ["numpy"])
+@pytest.mark.parametrize("argument", ["prompt", "query", "system", "confidence prompt", "completion"])
+def test_text_arguments_take_text_only(argument, value):
+    if value == "numpy":
+        value = pytest.importorskip("numpy").array([1, 2])
+    model = engine()
+    calls = {"prompt": lambda: model.generate(value), "query": lambda: model.generate(query=value),
+             "system": lambda: model.generate(query="q", system=value),
+             "confidence prompt": lambda: model.confidence(prompt=value),
+             "completion": lambda: model.confidence(prompt="a", completion=value)}
+    name = argument.split()[-1]
+    with pytest.raises(InputError, match=f"^{name} must be text"):
+        calls[argument]()
+    assert model.gpu.sessions == []
+    assert model.generate("hi", max_tokens=1).ids == [100]  # still usable
+
+
+def test_bytes_are_utf8_text():
+    model = engine()
+    assert model.encode_request(b"hello") == model.encode_request("hello")
+    assert model.encode_request(bytearray(b"\xff")) == model.encode_request("\ufffd")
+    assert model.encode_request(query=b"q", system=b"s") == model.encode_request(query="q", system="s")
+    assert prompt.build_prompt(b"q") == prompt.build_prompt("q")
+    with pytest.raises(InputError, match="query must be text"):
+        prompt.build_prompt(5)
+
+
+def test_stop_takes_any_iterable_of_text():
+    np = pytest.importorskip("numpy")
+    script = TOKENIZER.encode("the weather")
+    for stop in (["wea"], np.array(["wea", "zz"]), b"wea", ("", None, "wea")):
+        result = engine(script=script).generate(ids=[2], max_tokens=20, stop=stop)
+        assert (result.finish_reason, result.text) == ("stop", " the "), stop
+    assert engine(script=script).generate(ids=[2], max_tokens=3, stop=None).finish_reason == "length"
+    for stop in (5, 2.5, released_view()):
+        with pytest.raises(InputError, match="stop must be"):
+            engine().generate(ids=[2], stop=stop)
+
+
+def test_an_empty_prompt_needs_no_tokenizer():
+    gpu = RecordingGpu()
+    gpu.tokenizer = None
+    assert Needle3(gpu).generate("").finish_reason == "empty"
+
+
+# ----------------------------------------------------------------------------------- calls that do not fit
+
+
+def test_an_unknown_keyword_names_itself_and_the_accepted_ones():
+    model = engine()
+    with pytest.raises(InputError, match=r"^generate: unknown keyword 'max_token' \(did you mean 'max_tokens'\?\); "
+                                         r"accepted: query, tools, system, ids, max_tokens, "):
+        model.generate("hi", max_token=2)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.stream(ids=[2], bogus=1), lambda m: m.generate("a", "b"), lambda m: m.logits(),
+    lambda m: m.encode_request(promt="x"), lambda m: m.confidence(ids=[2], text="x"),
+    lambda m: m.generate(ids=[2], result=GenerationResult("", [], "empty", 0)),
+    lambda m: Needle3.load(b"", devices=None), lambda m: TOKENIZER.encode(txt="x"), lambda m: TOKENIZER.decode(),
+    lambda m: TOKENIZER.piece(), lambda m: Tokenizer.from_blob(b"", 1), lambda m: cact.load(),
+    lambda m: prompt.build_prompt("q", tool=[]), lambda m: prompt.parse_completion(),
+    lambda m: prompt.compact_tools_json(tool=[]),
+], ids=["stream", "generate positional", "logits", "encode_request", "confidence", "generate result", "load",
+        "encode", "decode", "piece", "from_blob", "cact.load", "build_prompt", "parse_completion", "tools"])
+def test_calls_that_do_not_fit_are_input_errors(call):
+    model = engine()
+    with pytest.raises(InputError, match="accepted: "):
+        call(model)
+    assert model.gpu.sessions == [] and model.generate(ids=[2], max_tokens=1).ids == [100]
+
+
+# ----------------------------------------------------------------------------------- objects of the wrong kind
+
+
+def test_load_checks_device_and_progress_before_reading_the_file():
+    # object() is no source: reading it first would be a ContainerError.
+    with pytest.raises(InputError, match="device must be a Device or None, got str"):
+        Needle3.load(object(), device="cpu")
+    with pytest.raises(InputError, match="progress must be a function or None, got str"):
+        Needle3.load(object(), progress="x")
+
+
+def test_stream_result_must_be_a_generation_result_and_starts_afresh():
+    model = engine()
+    with pytest.raises(InputError, match="result must be a GenerationResult or None, got dict"):
+        list(model.stream(ids=[2], result={}))
+    assert model.gpu.sessions == []
+    reused = GenerationResult("junk", None, "eos", 99, 5, completion="junk")
+    list(model.stream(ids=[2, 3], max_tokens=2, result=reused))
+    assert (reused.ids, reused.finish_reason, reused.prompt_tokens, reused.clamped_ids) == ([100, 101], "length", 2, 0)
+    assert reused.completion is None
+
+
+# ----------------------------------------------------------------------------------- sources and buffers
+
+
+def released_view():
+    view = memoryview(b"\x02\x03")
+    view.release()
+    return view
+
+
+class BadPath(os.PathLike):
+    def __fspath__(self):
+        return 5
+
+
+def test_a_released_buffer_is_no_source_and_no_ids():
+    with pytest.raises(ContainerError, match="the memoryview has been released"):
+        cact.load(released_view())
+    with pytest.raises(ContainerError, match="tokenizer: the memoryview has been released"):
+        Tokenizer.from_blob(released_view())
+    with pytest.raises(ContainerError, match="cannot read"):
+        cact.load(BadPath())
+    model = engine()
+    for call in (lambda: model.generate(ids=released_view()), lambda: model.logits(released_view()),
+                 lambda: model.confidence(released_view())):
+        with pytest.raises(InputError, match="ids must be a sequence"):
+            call()
+    with pytest.raises(InputError, match="decode takes a sequence"):
+        TOKENIZER.decode(released_view())
+
+
+# ----------------------------------------------------------------------------------- tokenizer lookups
+
+
+@pytest.mark.parametrize("token_id", [2.5, None, NAN, INF, -1, 512, "3", [3], Fraction(1, 2), D("NaN")])
+def test_tokenizer_lookups_need_a_vocabulary_id(token_id):
+    for lookup in (TOKENIZER.piece, TOKENIZER.piece_type, TOKENIZER.score):
+        with pytest.raises(InputError, match=r"is not an id in \[0, 512\)"):
+            lookup(token_id)
+
+
+def test_tokenizer_lookups_read_whole_numbers():
+    np = pytest.importorskip("numpy")
+    assert TOKENIZER.piece(7.0) == TOKENIZER.piece(np.int64(7)) == TOKENIZER.piece(Fraction(7)) == TOKENIZER.piece(7)
+    assert TOKENIZER.decode([7.0, D("8")]) == TOKENIZER.decode([7, 8])
+    assert TOKENIZER.id_of(["<s>"]) is None and TOKENIZER.marker_id(None) is None
+    assert TOKENIZER.marker_id("<|im_end|>") == TOKENIZER.im_end_id
 
 
 # ----------------------------------------------------------------------------------- the document

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
+from ..inputs import byte_view, checked
 from .geometry import Needle3Geometry
 from .source import read_source
 
@@ -265,6 +266,7 @@ def read_header(data: memoryview) -> tuple:
     return HEADER.unpack_from(data, 0)
 
 
+@checked
 def load(source) -> CactFile:
     """Validate and open a container from a path, bytes, bytearray or memoryview.
 

@@ -62,7 +62,7 @@ class Source:
         self._file = None
         self._buffer = memoryview(b"")
         if isinstance(source, (str, os.PathLike)):
-            self.name = f"{label} {os.fsdecode(source) if not isinstance(source, str) else source}"
+            self.name = f"{label} {_path_name(source)}"
             self._open(source)
         else:
             self.name = label
@@ -118,6 +118,16 @@ class Source:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _path_name(path) -> str:
+    """A path for messages; an ``os.PathLike`` whose ``__fspath__`` is broken still gets one."""
+    if isinstance(path, str):
+        return path
+    try:
+        return os.fsdecode(path)
+    except (TypeError, ValueError):
+        return repr(path)
 
 
 def _kind(mode: int) -> str:

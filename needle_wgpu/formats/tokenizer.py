@@ -24,6 +24,7 @@ import struct
 from heapq import heappop, heappush
 
 from ..errors import ContainerError, InputError
+from ..inputs import byte_view, checked, checked_methods, describe, iterable, whole_number
 
 # n_pieces, pad_id, eos_id, bos_id, unk_id, add_dummy_prefix, byte_fallback, padding
 HEADER = struct.Struct("<IIIIIBBH")
@@ -148,14 +149,14 @@ class Tokenizer:
     # ------------------------------------------------------------------------- the RAW blob
 
     @classmethod
+    @checked
     def from_blob(cls, blob) -> Tokenizer:
         """Parse and validate the §8 RAW blob (bytes, bytearray or memoryview)."""
-        try:
-            data = memoryview(blob).cast("B").tobytes()
-        except TypeError:
-            _fail(f"expected bytes, got {type(blob).__name__}")
-        except ValueError:  # a released memoryview
-            _fail("the memoryview has been released")
+        view = byte_view(blob)
+        if view is None:
+            _fail("the memoryview has been released" if isinstance(blob, memoryview)
+                  else f"expected bytes, got {type(blob).__name__}")
+        data = view.tobytes()
         if len(data) < HEADER.size:
             _fail(f"blob is {len(data)} bytes, shorter than the {HEADER.size}-byte header")
         n_pieces, pad_id, eos_id, bos_id, unk_id, dummy, fallback, _ = HEADER.unpack_from(data, 0)
@@ -215,27 +216,36 @@ class Tokenizer:
     def __len__(self) -> int:
         return len(self._pieces)
 
-    def piece(self, token_id: int) -> str:
+    def _vocabulary_id(self, token_id) -> int:
+        """A looked-up id: a whole number (``inputs.whole_number``) in [0, vocab_size), else
+        ``InputError`` (there is no piece to saturate to)."""
+        whole = whole_number(token_id)
+        if whole is None or not 0 <= whole < len(self._pieces):
+            raise InputError(f"token id {describe(token_id)} is not an id in [0, {len(self._pieces)})")
+        return whole
+
+    @checked
+    def piece(self, token_id) -> str:
         """The stored text of a piece (``<0x0A>`` for a byte piece, ``<s>`` for BOS ...)."""
-        if not 0 <= token_id < len(self._pieces):
-            raise InputError(f"token id {token_id} is out of range for {len(self._pieces)} pieces")
-        return self._pieces[token_id]
+        return self._pieces[self._vocabulary_id(token_id)]
 
-    def piece_type(self, token_id: int) -> int:
-        self.piece(token_id)
-        return self._types[token_id]
+    @checked
+    def piece_type(self, token_id) -> int:
+        return self._types[self._vocabulary_id(token_id)]
 
-    def score(self, token_id: int) -> float:
-        self.piece(token_id)
-        return self._scores[token_id]
+    @checked
+    def score(self, token_id) -> float:
+        return self._scores[self._vocabulary_id(token_id)]
 
-    def id_of(self, piece: str) -> int | None:
-        """The id of a piece by its stored text (any type), or None."""
-        return self._id_of.get(piece)
+    @checked
+    def id_of(self, piece) -> int | None:
+        """The id of a piece by its stored text (any type), or None (also for a non-str)."""
+        return self._id_of.get(piece) if isinstance(piece, str) else None
 
-    def marker_id(self, marker: str) -> int | None:
+    @checked
+    def marker_id(self, marker) -> int | None:
         """The id of a USER_DEFINED marker such as ``<|im_end|>``, or None if the vocab lacks it."""
-        i = self._id_of.get(marker)
+        i = self.id_of(marker)
         return i if i is not None and self._types[i] == USER_DEFINED else None
 
     im_start_id = property(lambda self: self.marker_id("<|im_start|>"))
@@ -254,6 +264,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------------- encoding
 
+    @checked
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` per the §8 reference encoder (no BOS; see ``prompt_ids``).
 
@@ -344,11 +355,8 @@ class Tokenizer:
         the vocabulary (including negative ones) and non-integers give nothing too: decoding
         never raises.
         """
-        try:
-            token_id = operator.index(token_id)
-        except TypeError:
-            return b""
-        if 0 <= token_id < len(self._piece_bytes):
+        token_id = whole_number(token_id)
+        if token_id is not None and 0 <= token_id < len(self._piece_bytes):
             return self._piece_bytes[token_id]
         return b""
 
@@ -356,16 +364,14 @@ class Tokenizer:
         """One id's text in isolation; a lone byte of a multi-byte character gives U+FFFD."""
         return self.piece_bytes(token_id).decode("utf-8", "replace").replace(SPACE, " ")
 
+    @checked
     def decode(self, ids) -> str:
         """Text of ``ids`` (§8): consecutive byte pieces are assembled before UTF-8 decoding
         (invalid sequences become U+FFFD), '▁' becomes ' ', and with ``add_dummy_prefix`` the
         one leading space the encoder added is removed. Out-of-range ids are skipped."""
         if isinstance(ids, (str, bytes, bytearray)):
             raise InputError(f"decode takes a sequence of ids, got {type(ids).__name__}")
-        try:
-            raw = b"".join(self.piece_bytes(i) for i in ids)
-        except TypeError:  # not iterable (piece_bytes itself never raises)
-            raise InputError(f"decode takes a sequence of ids, got {type(ids).__name__}") from None
+        raw = b"".join(self.piece_bytes(i) for i in iterable(ids, "decode takes a sequence of ids"))
         text = raw.decode("utf-8", "replace").replace(SPACE, " ")
         if self.add_dummy_prefix and text.startswith(" "):
             text = text[1:]
@@ -375,6 +381,7 @@ class Tokenizer:
         return StreamDecoder(self, at_text_start=at_text_start)
 
 
+@checked_methods
 class StreamDecoder:
     """Decode one id at a time, returning only newly completed text.
 

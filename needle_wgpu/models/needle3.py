@@ -9,14 +9,15 @@ from ..formats import cact
 from ..formats.cact import CactFile
 from ..formats.tokenizer import Tokenizer
 from ..gpu.device import Binding, Device, Plan, UniformArena
+from ..inputs import checked_methods, flag, wants_int8
 from ..kernels import attention as attention_ops
 from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
 from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
 from ..prompt import Needle3Chat
-from .session import ChunkedSession, PlanKey
 from .needle3_support import check_supported, widest_row_bytes
+from .session import ChunkedSession, PlanKey, session_ids
 
 PREFILL_CHUNK = 64
 F32 = 4
@@ -49,6 +50,7 @@ def describe(container: CactFile) -> dict:
             "warnings": container.warnings}
 
 
+@checked_methods
 class Needle3Gpu:
     """The model's weights on a device, in quantised form (no dequantised copies)."""
 
@@ -118,6 +120,7 @@ def _pad(width: int, group: int) -> int:
     return (width + group - 1) // group * group
 
 
+@checked_methods
 class Needle3Session(ChunkedSession):
     """One conversation: the KV cache and scratch for a fixed context, and cached plans.
 
@@ -130,7 +133,7 @@ class Needle3Session(ChunkedSession):
         self.model = model
         self._open(model.device, context, g.max_seq_len)
         self.logit_rows = g.head_rows
-        self.int8 = str(kv).lower() == "int8"
+        self.int8 = wants_int8(kv)
         dev = self.device
         G = model.group
         sites = len(g.engram_sites)
@@ -159,7 +162,7 @@ class Needle3Session(ChunkedSession):
         self.qkv_rings = [dev.buffer(F32 * self.ring * (g.q_dim + g.k_dim + g.v_dim), label=f"qkv_ring.{i}",
                                      kind="kv") for i in range(g.num_layers)]
         self.cells = None
-        if confidence:
+        if flag(confidence, "confidence"):
             # Hidden cells and the §7 probe pool: only sessions that score confidence pay for them.
             if model.confidence is None:
                 raise UnsupportedModelError("this model file has no confidence head (§7)")
@@ -261,6 +264,9 @@ class Needle3Session(ChunkedSession):
         """The confidence head's logit over ``ids`` (prompt + completion, BOS first; §7)."""
         if self.cells is None:
             raise NeedleError("create the session with confidence=True to score confidence")
+        ids = session_ids(ids)
+        if not ids:
+            return 0.0  # no evidence either way: probability 0.5
         self.prefill(ids)
         head = self.model.confidence
         state = self.device.read(self.pool, 4 * head.probe_rows * (self.model.geometry.d_model + 2))

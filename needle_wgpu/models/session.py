@@ -11,9 +11,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ..errors import ContextFullError, NeedleError
+from ..errors import ContextFullError, InputError, NeedleError
 from ..gpu.device import Device, Plan
-from ..sampling import Sampling
+from ..inputs import checked_methods, id_list
+from ..sampling import Sampling, clamp_count, saturate_ids
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,26 @@ class PlanKey:
 
 
 def clamp_context(context, limit: int) -> int:
-    """A requested context as a whole number of positions in [1, limit]; junk gives ``limit``."""
-    try:
-        context = int(context) if context is not None else limit
-    except (TypeError, ValueError, OverflowError):
-        context = limit
-    return max(1, min(context, limit))
+    """A requested context as a whole number of positions in [1, limit]: fractions truncate;
+    None, NaN, ±inf and what is not a number give ``limit`` (``sampling.clamp_count``)."""
+    return clamp_count(context, 1, limit, limit)
 
 
+def session_ids(ids) -> list:
+    """The low-level API's ids under the engine's rule: any iterable, each item a u32."""
+    return saturate_ids(id_list(ids))[0]
+
+
+def session_sampling(sampling, rows: int, required: bool) -> Sampling | None:
+    """A ``Sampling`` (top_k clamped to the head's rows), or None where none is asked for."""
+    if sampling is None and not required:
+        return None
+    if not isinstance(sampling, Sampling):
+        raise InputError(f"sampling must be a Sampling (Sampling.saturate(...)), got {type(sampling).__name__}")
+    return Sampling.saturate(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, vocab=rows)
+
+
+@checked_methods
 class ChunkedSession:
     """One conversation's state on the GPU and the cached plans that advance it.
 
@@ -85,6 +98,7 @@ class ChunkedSession:
     def prefill(self, ids: list, sampling: Sampling | None = None):
         """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one."""
         self._check()
+        ids, sampling = session_ids(ids), session_sampling(sampling, self.logit_rows, required=False)
         if not ids:
             return None
         for start in range(0, len(ids), self.chunk):
@@ -98,6 +112,7 @@ class ChunkedSession:
     def step(self, sampling: Sampling) -> int:
         """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next."""
         self._check()
+        sampling = session_sampling(sampling, self.logit_rows, required=True)
         if self.position >= self.context:
             raise ContextFullError(f"context of {self.context} positions is full")
         dev = self.device
@@ -112,6 +127,7 @@ class ChunkedSession:
     def all_logits(self, ids: list) -> list:
         """Logits of every position (tests and analysis): reads back each chunk's logits."""
         self._check()
+        ids = session_ids(ids)
         rows = self.logit_rows
         out = []
         for start in range(0, len(ids), self.chunk):

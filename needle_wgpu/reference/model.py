@@ -16,6 +16,8 @@ import numpy as np
 from .. import constants
 from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats import cact
+from ..inputs import checked_methods
+from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
@@ -42,11 +44,12 @@ def saturate_ids(ids) -> np.ndarray:
         return np.minimum(wide.astype(np.uint64), np.uint64(U32_MAX)).astype(np.uint32)
     try:
         values = [min(max(operator.index(i), 0), U32_MAX) for i in ids]
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a released memoryview
         raise InputError("token ids must be integers") from None
     return np.array(values, dtype=np.uint32)
 
 
+@checked_methods
 class ReferenceModel:
     """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile)."""
 
@@ -89,9 +92,11 @@ class ReferenceModel:
     def prefill(self, ids, cache: KVCache, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Feed ids after what `cache` holds; logits [T, head_rows] of each new position (§6).
 
-        Runs in chunks of `chunk` positions. Raises `ContextFullError`, consuming nothing, when
+        Runs in chunks of `chunk` positions, saturated to [1, max_seq_len] (fractions truncate;
+        NaN, ±inf or not a number -> 64). Raises `ContextFullError`, consuming nothing, when
         the ids do not all fit before max_seq_len (§0 item 8).
         """
+        chunk = clamp_count(chunk, 1, self.geometry.max_seq_len, PREFILL_CHUNK)
         tokens = saturate_ids(ids)
         self._check_cache(cache)
         cache.reserve(len(tokens))

@@ -48,4 +48,4 @@ def test_describe_without_a_gpu_matches_the_reader():
                                         (b"", ContainerError), (b"PK\x03\x04", ContainerError)])
 def test_unknown_or_refused_magics_are_typed_errors_before_any_device(head, error):
     with pytest.raises(error):
-        needle_wgpu.load(head + bytes(64), device="never opened")
+        needle_wgpu.load(head + bytes(64))  # fails in the reader, before a device is opened

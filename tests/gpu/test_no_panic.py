@@ -106,12 +106,13 @@ tools_values = st.one_of(
 
 
 def effective_context(context, limit):
-    """The documented context rule (docs/api.md, stream)."""
+    """The documented context rule (docs/api.md, stream): the number, truncated and clamped;
+    None, NaN, ±inf and what is not a number give the limit."""
     try:
-        value = int(context) if context is not None else limit
-    except (TypeError, ValueError, OverflowError):
+        value = float(context)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past the float range
         return limit
-    return max(1, min(value, limit))
+    return max(1, min(int(value), limit)) if math.isfinite(value) else limit
 
 
 def clamped(raw, vocab: int) -> bool:
@@ -135,11 +136,16 @@ def assert_ids_in_range(model, ids):
 @check(CHEAP)
 @given(prompt=texts, query=st.one_of(st.none(), texts), tools=tools_values, system=st.one_of(st.none(), texts, st.integers()))
 def test_encode_request_returns_vocabulary_ids_or_an_input_error(model, prompt, query, tools, system):
+    tool_calling = query is not None or tools is not None
     try:
         ids = model.encode_request(prompt, query=query, tools=tools, system=system)
     except InputError as exc:
-        assert str(exc).startswith("tools: ")
+        if tool_calling and not isinstance(system, (str, type(None))):
+            assert str(exc) == f"system must be text (str), got {type(system).__name__}"
+        else:
+            assert str(exc).startswith("tools: ")
         return
+    assert not tool_calling or isinstance(system, (str, type(None)))
     assert all(isinstance(i, int) and 0 <= i < model.geometry.vocab for i in ids)
     if query is None and tools is None:
         assert ids == ([] if prompt == "" else [model.tokenizer.bos_id] + model.tokenizer.encode(prompt))
@@ -212,6 +218,35 @@ def test_sessions_take_any_context(model, context, kv):
         assert session.int8 == (str(kv).lower() == "int8")
     finally:
         session.close()
+
+
+def test_the_session_api_saturates_ids_and_checks_sampling(model):
+    """The low-level session reads ids and sampling as the engine does (docs/api.md, Sessions)."""
+    odd = [-1, 2 ** 32, 5.0, None, 2.5, True]
+    saturated = [0, U32_MAX, 5, 0, 0, 1]
+    sessions = [model.gpu.session(context=8) for _ in range(3)]
+    try:
+        assert sessions[0].all_logits(odd) == sessions[1].all_logits(saturated)
+        assert sessions[2].prefill(iter(odd[:4])) is None and sessions[2].position == 4
+        sampled = sessions[2].prefill([2], Sampling(temperature=NAN, top_k=10 ** 9, seed=-1))
+        assert 0 <= sampled < model.geometry.head_rows
+        for bad in (0.7, "greedy", {}):
+            with pytest.raises(InputError, match="sampling must be a Sampling"):
+                sessions[2].step(bad)
+        assert sessions[2].position == 5 and 0 <= sessions[2].step(Sampling()) < model.geometry.head_rows
+        with pytest.raises(InputError, match=r"unknown keyword 'sample' \(did you mean 'sampling'\?\)"):
+            sessions[2].prefill([2], sample=None)
+    finally:
+        for session in sessions:
+            session.close()
+    scorer = model.gpu.session(context=4, confidence=1)
+    try:
+        assert scorer.confidence_logit([]) == 0.0
+        assert math.isfinite(scorer.confidence_logit([2, -1, 2 ** 40]))
+    finally:
+        scorer.close()
+    with pytest.raises(InputError, match="confidence must be True or False"):
+        model.gpu.session(context=4, confidence=[1, 2])
 
 
 # ----------------------------------------------------------------------------------- calls that run the model
