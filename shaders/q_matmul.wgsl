@@ -84,9 +84,9 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   }
   partial[lid] = acc;
   workgroupBarrier();
-  for (var half = GEMV_THREADS / 2u; half > 0u; half >>= 1u) {
-    if (lid < half) {
-      partial[lid] += partial[lid + half];
+  for (var span = GEMV_THREADS / 2u; span > 0u; span >>= 1u) {
+    if (lid < span) {
+      partial[lid] += partial[lid + span];
     }
     workgroupBarrier();
   }

