@@ -99,9 +99,10 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
 
 const TILE: u32 = 32u;        // rows and positions per workgroup
 const K_QUADS: u32 = 8u;      // quads per K step (32 weights)
+const PITCH: u32 = K_QUADS + 1u;  // tile row pitch in quads: the padding spreads a column's reads over banks
 
-var<workgroup> w_tile: array<vec4<f32>, TILE * K_QUADS>;  // [row][quad]
-var<workgroup> x_tile: array<vec4<f32>, TILE * K_QUADS>;  // [position][quad]
+var<workgroup> w_tile: array<vec4<f32>, TILE * PITCH>;  // [row][quad]
+var<workgroup> x_tile: array<vec4<f32>, TILE * PITCH>;  // [position][quad]
 
 @compute @workgroup_size(64)
 fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
@@ -119,26 +120,27 @@ fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     for (var n = 0u; n < 4u; n++) {
       let e = lid + 64u * n;
       let r = e / K_QUADS;
-      let q = k0 + e % K_QUADS;
+      let kq = e % K_QUADS;
+      let q = k0 + kq;
       var wv = vec4<f32>(0.0);
       if (row_tile + r < params.rows && q < ROW_QUADS) {
         wv = row_quad(params.row0 + row_tile + r, q);
       }
-      w_tile[e] = wv;
+      w_tile[r * PITCH + kq] = wv;
       var xv = vec4<f32>(0.0);
       if (t_tile + r < params.positions && q < ROW_QUADS) {
         xv = x[((params.x_offset + (t_tile + r) * params.x_stride) >> 2u) + q];
       }
-      x_tile[e] = xv;
+      x_tile[r * PITCH + kq] = xv;
     }
     workgroupBarrier();
     for (var kq = 0u; kq < K_QUADS; kq++) {
-      let x0 = x_tile[tt * K_QUADS + kq];
-      let x1 = x_tile[(tt + 8u) * K_QUADS + kq];
-      let x2 = x_tile[(tt + 16u) * K_QUADS + kq];
-      let x3 = x_tile[(tt + 24u) * K_QUADS + kq];
+      let x0 = x_tile[tt * PITCH + kq];
+      let x1 = x_tile[(tt + 8u) * PITCH + kq];
+      let x2 = x_tile[(tt + 16u) * PITCH + kq];
+      let x3 = x_tile[(tt + 24u) * PITCH + kq];
       for (var i = 0u; i < 4u; i++) {
-        let w = w_tile[(tr + 8u * i) * K_QUADS + kq];
+        let w = w_tile[(tr + 8u * i) * PITCH + kq];
         acc[i] += vec4<f32>(dot(w, x0), dot(w, x1), dot(w, x2), dot(w, x3));
       }
     }
