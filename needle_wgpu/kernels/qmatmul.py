@@ -70,7 +70,8 @@ QTYPES = {t.name: t for t in (
 QTYPE_BY_ID = {t.ggml: t for t in QTYPES.values()}
 
 CPU_TILE = 8        # positions per invocation of the CPU-shape GEMM (§8: 4-8)
-ROWS_PER_GROUP = 64  # CPU shape: one row per invocation, 64 invocations
+CPU_ROWS = 256      # CPU shape: 64 invocations x 4 rows (q_matmul_rows.wgsl says why 4)
+GATHER_QUADS = 64   # get_rows: quads per workgroup
 GEMV_ROWS = 4       # GPU shape GEMV: rows per 256-thread workgroup
 GEMM_TILE = 32      # GPU shape GEMM: 32 rows x 32 positions per workgroup
 MAX_GROUPS = 65535
@@ -224,7 +225,7 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     if shape == "cpu":
         tile = CPU_TILE if gemm else 1
         key = KernelKey("q_matmul_rows", consts=consts + (("TT", tile),))
-        rows_per_group, position_groups = ROWS_PER_GROUP, (positions + tile - 1) // tile
+        rows_per_group, position_groups = CPU_ROWS, (positions + tile - 1) // tile
     elif shape == "gpu":
         entry = "gemm" if gemm else "gemv"
         key = KernelKey("q_matmul", entry=entry, consts=consts)
@@ -253,7 +254,7 @@ def get_rows(plan: Plan, arena: UniformArena, pack: QPack, tokens, out, *, step,
     if (out_stride | out_offset) % 4:
         raise ValueError("get_rows writes vec4: out_stride and out_offset must be multiples of 4")
     key = KernelKey("get_rows", consts=_block_consts(pack))
-    quad_groups = (pack.cols // 4 + ROWS_PER_GROUP - 1) // ROWS_PER_GROUP
+    quad_groups = (pack.cols // 4 + GATHER_QUADS - 1) // GATHER_QUADS
     for part in pack.parts:
         params = arena.add(part.first, part.rows, pack.rows, part.side_base, out_stride, out_offset,
                            float(scale), 0)
