@@ -183,6 +183,38 @@ def test_split_above_binding_limit(small_device, qtype):
     np.testing.assert_array_equal(got, ref.get_rows(w, tokens))
 
 
+def test_default_shape_follows_the_adapter(device, tensors):
+    """Without ``shape``, CPU adapters get q_matmul_rows and GPUs q_matmul (§8)."""
+    raw, w = tensors["Q4_0"]
+    pack = qmatmul.upload(device, "w", "Q4_0", raw, *w.shape)
+    x = device.buffer(4 * w.shape[1], label="x")
+    y = device.buffer(4 * w.shape[0], label="y")
+    saved = device.software_rasterizer
+    try:
+        for software, family in ((True, "q_matmul_rows"), (False, "q_matmul")):
+            device.software_rasterizer = software
+            plan = Plan(device, "test")
+            qmatmul.q_matmul(plan, UniformArena(device), pack, x, y, positions=1, x_stride=w.shape[1],
+                             y_stride=w.shape[0])
+            assert qmatmul.default_shape(device) == ("cpu" if software else "gpu")
+            key = next(k for k, p in device._pipelines.items() if p is plan.dispatches[0].pipeline)
+            assert key.family == family
+    finally:
+        device.software_rasterizer = saved
+
+
+@pytest.mark.slow
+def test_gemv_workgroup_fold(device):
+    """More than 65,535 GPU-shape GEMV workgroups (262,148 rows) fold into z and stay exact."""
+    rng = np.random.default_rng(9)
+    rows, cols = 65535 * 4 + 8, 4
+    w = rng.normal(size=(rows, cols)).astype(np.float32)
+    pack = qmatmul.upload(device, "w", "F32", w.tobytes(), rows, cols)
+    x = rng.normal(size=(1, cols)).astype(np.float32)
+    got = run_matmul(device, pack, x, shape="gpu", gemm=False)
+    assert rel(got, ref.matmul(w, x)) <= GATE
+
+
 def test_repack_planes():
     """The side-plane layout of §4.3, byte for byte: f16 of block b at bytes 2b..2b+1, the rest
     of the block's halves in order; in-place types are not copied."""
