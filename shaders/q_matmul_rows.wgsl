@@ -6,9 +6,10 @@
 // invocations: no workgroup memory, barriers or subgroups; u32 weight loads, vec4 activation
 // loads, f32 accumulators. Each invocation computes ROWS (4) rows for TT positions (1: the decode
 // GEMV; 8: the prefill GEMM), decoding every scale once per sub-block and every weight quad once
-// for all positions. Four rows rather than the spec's one: on lavapipe (Mesa 22.3) every storage
-// load is a per-invocation gather, so the activation loads, not the weights, dominate, and four
-// rows share each of them (576 x 1536, T = 8: 2-3x faster than one row; GEMV no slower). Loop
+// for all positions. Four rows rather than the spec's one: every invocation loads the same
+// activations, and on lavapipe (Mesa 22.3) those loads, not the weights, set the pace (an
+// 8-position GEMM with one row per invocation was no faster than eight GEMVs); four rows share
+// each activation quad (576 x 1536 on 2 busy cores: T = 8 2.6-3x, GEMV 1.2-1.6x faster). Loop
 // bounds and branches are constants (lavapipe recompiles shaders whose control flow depends on
 // uniforms).
 //
