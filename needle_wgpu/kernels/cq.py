@@ -12,6 +12,7 @@ from ..constants import inv_sqrt, ternary_level
 from ..errors import DeviceLimitError, UnsupportedModelError
 from ..formats.cact import TERNARY, CactFile
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
+from .packs import RowPart, pieces, split_rows
 
 # Offsets of each width's level table inside the levels buffer (16 floats per width).
 LEVEL_BASE = {2: 0, 3: 16, 4: 32, TERNARY: 48}
@@ -58,13 +59,8 @@ def fwht_scale(group: int) -> float:
     return inv_sqrt(group)
 
 
-@dataclass
-class CQSlice:
-    """One GPU buffer holding rows [first, first + rows) of a pack (codes, then norms)."""
-
-    buffer: object
-    first: int
-    rows: int
+# One buffer of whole pack rows: codes of its rows, then their FP16 norms.
+CQSlice = RowPart
 
 
 @dataclass
@@ -111,22 +107,12 @@ def upload_pack(device: Device, name: str, parts: list) -> CQPack:
     pack = CQPack(name, [], total_rows, first.cols, first.group, first.bits)
     row_bytes, norm_bytes = pack.row_words * 4, pack.groups * 2
     per_row = row_bytes + norm_bytes
-    limit = device.limits.max_storage_binding
-    fit = max(0, (limit - 16) // per_row)
-    # Split packs take an even number of rows a slice (each slice's norms stay word-aligned);
-    # a pack that fits one binding is one slice, whatever its row count (a 1-row table).
-    rows_per_slice = total_rows if total_rows <= fit else fit // 2 * 2
-    if rows_per_slice < 1:
-        raise DeviceLimitError(f"{name}: one row ({per_row} bytes) exceeds the binding limit {limit}")
-    start = 0
-    while start < total_rows:
-        rows = min(rows_per_slice, total_rows - start)
+    for start, rows in split_rows(name, total_rows, per_row, device.limits.max_storage_binding, multiple=2):
         norm_at = rows * row_bytes
         size = norm_at + (rows * norm_bytes + 3) // 4 * 4
         buffer = device.buffer(size, label=f"{name}[{start}:{start + rows}]", kind="weights")
         _write_rows(device, buffer, segments, start, rows, row_bytes, norm_bytes, norm_at)
         pack.slices.append(CQSlice(buffer, start, rows))
-        start += rows
     return pack
 
 
@@ -191,10 +177,7 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
                                               ("TT", tile), ("ROWS", MATMUL_ROWS)))
         rows_per_group = MATMUL_ROWS
     end = row_start + rows
-    for piece in pack.slices:
-        lo, hi = max(row_start, piece.first), min(end, piece.first + piece.rows)
-        if lo >= hi:
-            continue
+    for piece, lo, hi in pieces(pack.slices, row_start, end):
         done = lo - row_start
         if x_block_rows and done % x_block_rows and (hi - lo) > x_block_rows - done % x_block_rows:
             raise DeviceLimitError(f"{pack.name}: a split crosses an input block; raise the binding limit")

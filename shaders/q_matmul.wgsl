@@ -1,0 +1,158 @@
+// GGUF dequant-matmul, GPU shape (dense-gguf spec §8), after ggml-webgpu's mul_mat_vec and
+// mul_mat_reg_tile:
+//
+//   y[y_offset + t * y_stride + o] (+)= sum_i W[row0 + o, i] * x[x_offset + t * x_stride + i]
+//
+// Entry `gemv` (decode): 256 threads and 4 rows per workgroup, one position per workgroup row
+// of the grid. Threads stride over the quads of a row; each activation quad is loaded once into
+// registers and used for the 4 rows; a workgroup-memory tree sums the 256 partials (portable: no
+// subgroups, which Naga rejects).
+// Entry `gemm` (prefill): 8 x 8 threads, each 4 rows x 4 positions of a 32 x 32 output tile.
+// Per K step of 32 weights (one 32-block, or a 32-weight slice of a K-quant block) the 32 x 32
+// weight tile is dequantised once into workgroup memory with the 32 x 32 activation tile; f32
+// accumulation throughout (ggml accumulates in f16, a parity risk for §7).
+//
+// Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), ACCUMULATE.
+// Bindings: 0 params, 1 one part of the pack (word plane, then side plane), 2 x f32, 3 y f32.
+// Workgroups (rows folded as x + z * num_workgroups.x): gemv (ceil(rows / 4), positions),
+// gemm (ceil(rows / 32), ceil(positions / 32)).
+
+struct Params {
+  rows: u32,        // rows computed by this dispatch
+  row0: u32,        // first row, counted in the bound part
+  side_base: u32,   // word index of the side plane in the part
+  positions: u32,
+  x_stride: u32,    // floats between positions in x (multiple of 4)
+  x_offset: u32,    // float offset of position 0 in x (multiple of 4)
+  y_stride: u32,
+  y_offset: u32,    // float offset of row 0, position 0 in y
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> weights: array<u32>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+
+fn word(i: u32) -> u32 {
+  return weights[i];
+}
+
+//#include include/gguf_blocks.wgsl
+
+const ROW_QUADS: u32 = ROW_BLOCKS * BLOCK_QUADS;
+
+fn store(index: u32, value: f32) {
+  if (ACCUMULATE) {
+    y[index] += value;
+  } else {
+    y[index] = value;
+  }
+}
+
+// Quad q of pack-part row `row` (q < ROW_QUADS).
+fn row_quad(row: u32, q: u32) -> vec4<f32> {
+  return quad(row * ROW_BLOCKS + q / BLOCK_QUADS, q % BLOCK_QUADS);
+}
+
+// ---- gemv ----------------------------------------------------------------------------------
+
+const GEMV_THREADS: u32 = 256u;
+const GEMV_ROWS: u32 = 4u;
+
+var<workgroup> partial: array<vec4<f32>, GEMV_THREADS>;
+
+@compute @workgroup_size(256)
+fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let first = (wg.x + wg.z * groups.x) * GEMV_ROWS;
+  if (first >= params.rows) {
+    return;  // the whole workgroup: a surplus group of the fold
+  }
+  // Rows past the end recompute the last row (always valid) and are not stored.
+  let last = params.rows - 1u;
+  let r0 = params.row0 + first;
+  let r1 = params.row0 + min(first + 1u, last);
+  let r2 = params.row0 + min(first + 2u, last);
+  let r3 = params.row0 + min(first + 3u, last);
+  let t = wg.y;
+  let x_base = (params.x_offset + t * params.x_stride) >> 2u;
+  var acc = vec4<f32>(0.0);  // one component per row
+  for (var q = lid; q < ROW_QUADS; q += GEMV_THREADS) {
+    let xv = x[x_base + q];
+    acc += vec4<f32>(dot(row_quad(r0, q), xv), dot(row_quad(r1, q), xv), dot(row_quad(r2, q), xv),
+                     dot(row_quad(r3, q), xv));
+  }
+  partial[lid] = acc;
+  workgroupBarrier();
+  for (var span = GEMV_THREADS / 2u; span > 0u; span >>= 1u) {
+    if (lid < span) {
+      partial[lid] += partial[lid + span];
+    }
+    workgroupBarrier();
+  }
+  if (lid < GEMV_ROWS && first + lid < params.rows) {
+    store(params.y_offset + t * params.y_stride + first + lid, partial[0][lid]);
+  }
+}
+
+// ---- gemm ----------------------------------------------------------------------------------
+
+const TILE: u32 = 32u;        // rows and positions per workgroup
+const K_QUADS: u32 = 8u;      // quads per K step (32 weights)
+const PITCH: u32 = K_QUADS + 1u;  // tile row pitch in quads: the padding spreads a column's reads over banks
+
+var<workgroup> w_tile: array<vec4<f32>, TILE * PITCH>;  // [row][quad]
+var<workgroup> x_tile: array<vec4<f32>, TILE * PITCH>;  // [position][quad]
+
+@compute @workgroup_size(64)
+fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let row_tile = (wg.x + wg.z * groups.x) * TILE;
+  if (row_tile >= params.rows) {
+    return;  // the whole workgroup: a surplus group of the fold
+  }
+  let t_tile = wg.y * TILE;
+  // Thread (tr, tt) owns rows tr + 8i and positions tt + 8p, i, p < 4.
+  let tr = lid % 8u;
+  let tt = lid / 8u;
+  var acc: array<vec4<f32>, 4>;  // acc[i][p]
+  for (var k0 = 0u; k0 < ROW_QUADS; k0 += K_QUADS) {
+    for (var n = 0u; n < 4u; n++) {
+      let e = lid + 64u * n;
+      let r = e / K_QUADS;
+      let kq = e % K_QUADS;
+      let q = k0 + kq;
+      var wv = vec4<f32>(0.0);
+      if (row_tile + r < params.rows && q < ROW_QUADS) {
+        wv = row_quad(params.row0 + row_tile + r, q);
+      }
+      w_tile[r * PITCH + kq] = wv;
+      var xv = vec4<f32>(0.0);
+      if (t_tile + r < params.positions && q < ROW_QUADS) {
+        xv = x[((params.x_offset + (t_tile + r) * params.x_stride) >> 2u) + q];
+      }
+      x_tile[r * PITCH + kq] = xv;
+    }
+    workgroupBarrier();
+    for (var kq = 0u; kq < K_QUADS; kq++) {
+      let x0 = x_tile[tt * PITCH + kq];
+      let x1 = x_tile[(tt + 8u) * PITCH + kq];
+      let x2 = x_tile[(tt + 16u) * PITCH + kq];
+      let x3 = x_tile[(tt + 24u) * PITCH + kq];
+      for (var i = 0u; i < 4u; i++) {
+        let w = w_tile[(tr + 8u * i) * PITCH + kq];
+        acc[i] += vec4<f32>(dot(w, x0), dot(w, x1), dot(w, x2), dot(w, x3));
+      }
+    }
+    workgroupBarrier();
+  }
+  for (var i = 0u; i < 4u; i++) {
+    let o = row_tile + tr + 8u * i;
+    for (var p = 0u; p < 4u; p++) {
+      let t = t_tile + tt + 8u * p;
+      if (o < params.rows && t < params.positions) {
+        store(params.y_offset + t * params.y_stride + o, acc[i][p]);
+      }
+    }
+  }
+}

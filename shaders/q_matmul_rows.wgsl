@@ -1,0 +1,161 @@
+// GGUF dequant-matmul, CPU-adapter shape (dense-gguf spec §8): whole rows per invocation.
+//
+//   y[y_offset + t * y_stride + o] (+)= sum_i W[row0 + o, i] * x[x_offset + t * x_stride + i]
+//
+// For lavapipe and SwiftShader, which run a workgroup on one CPU thread and vectorise across its
+// invocations: no workgroup memory, barriers or subgroups; u32 weight loads, vec4 activation
+// loads, f32 accumulators. Each invocation computes ROWS (4) rows for TT positions (1: the decode
+// GEMV; 8: the prefill GEMM), decoding every scale once per sub-block and every weight quad once
+// for all positions. Four rows rather than the spec's one: every invocation loads the same
+// activations, and on lavapipe (Mesa 22.3) those loads, not the weights, set the pace (an
+// 8-position GEMM with one row per invocation was no faster than eight GEMVs); four rows share
+// each activation quad (576 x 1536 on 2 busy cores: T = 8 2.6-3x, GEMV 1.2-1.6x faster). Loop
+// bounds and branches are constants (lavapipe recompiles shaders whose control flow depends on
+// uniforms).
+//
+// Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), TT, ACCUMULATE.
+// Bindings: 0 params, 1 one part of the pack (word plane, then side plane), 2 x f32, 3 y f32.
+// Workgroups: (ceil(rows / 256) folded as x + z * num_workgroups.x, ceil(positions / TT)).
+
+struct Params {
+  rows: u32,        // rows computed by this dispatch
+  row0: u32,        // first row, counted in the bound part
+  side_base: u32,   // word index of the side plane in the part
+  positions: u32,
+  x_stride: u32,    // floats between positions in x (multiple of 4)
+  x_offset: u32,    // float offset of position 0 in x (multiple of 4)
+  y_stride: u32,
+  y_offset: u32,    // float offset of row 0, position 0 in y
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> weights: array<u32>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+
+fn word(i: u32) -> u32 {
+  return weights[i];
+}
+
+//#include include/gguf_blocks.wgsl
+
+const ROWS: u32 = 4u;  // rows per invocation
+
+fn store(index: u32, value: f32) {
+  if (ACCUMULATE) {
+    y[index] += value;
+  } else {
+    y[index] = value;
+  }
+}
+
+// Four dot products of one weight quad with the quads of four positions.
+fn dots4(w: vec4<f32>, a: vec4<f32>, b: vec4<f32>, c: vec4<f32>, d: vec4<f32>) -> vec4<f32> {
+  return vec4<f32>(dot(w, a), dot(w, b), dot(w, c), dot(w, d));
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let local_row = ((wg.x + wg.z * groups.x) * 64u + lid) * ROWS;
+  if (local_row >= params.rows) {
+    return;
+  }
+  // Rows past the end recompute the last row (always valid) and are not stored.
+  let last = params.rows - 1u;
+  let row0 = params.row0 + local_row;
+  let row1 = params.row0 + min(local_row + 1u, last);
+  let row2 = params.row0 + min(local_row + 2u, last);
+  let row3 = params.row0 + min(local_row + 3u, last);
+  let t0 = wg.y * TT;
+  let tile = min(TT, params.positions - t0);
+  // Positions past the tile read position 0 of the tile (always valid) and are not stored.
+  let stride = params.x_stride >> 2u;
+  let s1 = select(0u, stride, tile > 1u);
+  let s2 = select(0u, 2u * stride, tile > 2u);
+  let s3 = select(0u, 3u * stride, tile > 3u);
+  let s4 = select(0u, 4u * stride, tile > 4u);
+  let s5 = select(0u, 5u * stride, tile > 5u);
+  let s6 = select(0u, 6u * stride, tile > 6u);
+  let s7 = select(0u, 7u * stride, tile > 7u);
+  let x_base = (params.x_offset + t0 * params.x_stride) >> 2u;
+
+  // a_r: row r, positions 0..3 (TT = 1: four partial sums of position 0); b_r: positions 4..7.
+  var a0 = vec4<f32>(0.0);
+  var a1 = vec4<f32>(0.0);
+  var a2 = vec4<f32>(0.0);
+  var a3 = vec4<f32>(0.0);
+  var b0 = vec4<f32>(0.0);
+  var b1 = vec4<f32>(0.0);
+  var b2 = vec4<f32>(0.0);
+  var b3 = vec4<f32>(0.0);
+  for (var b = 0u; b < ROW_BLOCKS; b++) {
+    let block0 = row0 * ROW_BLOCKS + b;
+    let block1 = row1 * ROW_BLOCKS + b;
+    let block2 = row2 * ROW_BLOCKS + b;
+    let block3 = row3 * ROW_BLOCKS + b;
+    for (var s = 0u; s < BLOCK_QUADS / SUB_QUADS; s++) {
+      // Scales decoded once per sub-block.
+      let c0 = sub_scale(block0, s);
+      let c1 = sub_scale(block1, s);
+      let c2 = sub_scale(block2, s);
+      let c3 = sub_scale(block3, s);
+      let xs = x_base + b * BLOCK_QUADS + s * SUB_QUADS;
+      for (var jj = 0u; jj < SUB_QUADS; jj++) {
+        let xi = xs + jj;
+        let x0 = x[xi];
+        let w0 = c0.x * sub_quad(block0, s, jj) + c0.y;
+        let w1 = c1.x * sub_quad(block1, s, jj) + c1.y;
+        let w2 = c2.x * sub_quad(block2, s, jj) + c2.y;
+        let w3 = c3.x * sub_quad(block3, s, jj) + c3.y;
+        if (TT == 1u) {
+          a0 += w0 * x0;
+          a1 += w1 * x0;
+          a2 += w2 * x0;
+          a3 += w3 * x0;
+        } else {
+          let x1 = x[xi + s1];
+          let x2 = x[xi + s2];
+          let x3 = x[xi + s3];
+          a0 += dots4(w0, x0, x1, x2, x3);
+          a1 += dots4(w1, x0, x1, x2, x3);
+          a2 += dots4(w2, x0, x1, x2, x3);
+          a3 += dots4(w3, x0, x1, x2, x3);
+          if (TT == 8u) {
+            let x4 = x[xi + s4];
+            let x5 = x[xi + s5];
+            let x6 = x[xi + s6];
+            let x7 = x[xi + s7];
+            b0 += dots4(w0, x4, x5, x6, x7);
+            b1 += dots4(w1, x4, x5, x6, x7);
+            b2 += dots4(w2, x4, x5, x6, x7);
+            b3 += dots4(w3, x4, x5, x6, x7);
+          }
+        }
+      }
+    }
+  }
+
+  store_rows(local_row, t0, tile, a0, b0);
+  if (local_row + 1u < params.rows) { store_rows(local_row + 1u, t0, tile, a1, b1); }
+  if (local_row + 2u < params.rows) { store_rows(local_row + 2u, t0, tile, a2, b2); }
+  if (local_row + 3u < params.rows) { store_rows(local_row + 3u, t0, tile, a3, b3); }
+}
+
+// Stores one row's sums: TT = 1: the four partial sums of `a` added; else positions 0..3 from
+// `a` and 4..7 from `b`, those inside the tile.
+fn store_rows(local_row: u32, t0: u32, tile: u32, a: vec4<f32>, b: vec4<f32>) {
+  let out = params.y_offset + t0 * params.y_stride + local_row;
+  if (TT == 1u) {
+    store(out, (a.x + a.y) + (a.z + a.w));
+    return;
+  }
+  store(out, a.x);
+  if (tile > 1u) { store(out + params.y_stride, a.y); }
+  if (tile > 2u) { store(out + 2u * params.y_stride, a.z); }
+  if (tile > 3u) { store(out + 3u * params.y_stride, a.w); }
+  if (tile > 4u) { store(out + 4u * params.y_stride, b.x); }
+  if (tile > 5u) { store(out + 5u * params.y_stride, b.y); }
+  if (tile > 6u) { store(out + 6u * params.y_stride, b.z); }
+  if (tile > 7u) { store(out + 7u * params.y_stride, b.w); }
+}
