@@ -2,8 +2,8 @@
 // 8-9, §6 item 1; dense §3), one workgroup per (query head hq, position t), p = pos0 + t,
 // kv head = hq / (H / KV):
 //
-//   s_n = (q · k_n) · scale                        f32 cache (scale = 1/sqrt(qk) unless the
-//   s_n = ((q · k8_n) · k_scale_n) · scale         int8 cache  family says otherwise)
+//   s_n = (q · k_n) · scale                        f32 and f16 caches (scale = 1/sqrt(qk)
+//   s_n = ((q · k8_n) · k_scale_n) · scale         int8 cache   unless the family says otherwise)
 //   o   = Σ_n softmax(s)_n · v_n   (int8: weights softmax_n · v_scale_n times the i8 values)
 //   out[t][hq·vd + j] = o_j · σ(g_j) with GATE (g: the gate rows at gate_offset), else o_j
 //
@@ -17,13 +17,17 @@
 // invocation (g, j) = (lid / VCOLS, lid % VCOLS) sums column j over the keys i ≡ g (mod
 // GROUPS) of a block; the GROUPS partials are added at the end.
 //
-// Cache layout (one u32 buffer, see qkv_post.wgsl): f32 mode K [slots][KV][qk] at k_at and V
-// [slots][KV][vd] at v_at as f32 bits; int8 mode rows of k_row / v_row words holding 4 signed
-// bytes each (element e in byte e % 4) and f32 scales [slots][KV] at k_scale_at / v_scale_at.
+// Cache layout (one u32 buffer, kernels/attention.py KvCache), KV_MODE:
+//   0 f32:  K [slots][KV][qk] at k_at and V [slots][KV][vd] at v_at as f32 bits (qkv_post, qk_rope)
+//   1 int8: rows of k_row / v_row words holding 4 signed bytes each (element e in byte e % 4) and
+//           f32 scales [slots][KV] at k_scale_at / v_scale_at (qkv_post, Needle 3)
+//   2 f16:  rows of k_row / v_row words holding 2 IEEE halves each (element e in the low half of
+//           word e / 2 when e is even), read with unpack2x16float: core WGSL, no shader-f16
+//           (qk_rope, the dense family). The products and sums are f32, in the f32 mode's order.
 //
-// Constants: INT8 (bool), GATE (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW (words
-// per int8 K row). Loop bounds are constants: lavapipe recompiles a shader at every dispatch whose control
-// flow depends on uniform values alone.
+// Constants: KV_MODE (0, 1, 2), GATE (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW
+// (words per K row). Loop bounds are constants: lavapipe recompiles a shader at every dispatch
+// whose control flow depends on uniform values alone.
 
 struct Params {
   heads: u32,
@@ -62,6 +66,8 @@ const BLOCK: u32 = 256u;        // keys per block, one per invocation
 const MAX_HEAD_DIM: u32 = 256u;
 const GROUPS: u32 = THREADS / VCOLS;
 const LOWEST: f32 = -3.0e38;    // the running max before the first key
+const KV_INT8: u32 = 1u;        // KV_MODE values (0: f32)
+const KV_F16: u32 = 2u;
 
 var<workgroup> query: array<f32, MAX_HEAD_DIM>;
 var<workgroup> weights: array<f32, BLOCK>;    // a block's softmax numerators (· v_scale in int8)
@@ -76,7 +82,18 @@ fn byte_at(word: u32, e: u32) -> f32 {
 fn score(row: u32) -> f32 {
   let qk = QK_DIM;
   var dot = 0.0;
-  if (INT8) {
+  if (KV_MODE == KV_F16) {
+    let base = params.k_at + row * params.k_row;
+    for (var w = 0u; w < K_ROW; w++) {
+      let pair = unpack2x16float(cache[base + w]);
+      dot += query[2u * w] * pair.x;
+      if (QK_DIM % 2u == 0u || 2u * w + 1u < qk) {
+        dot += query[2u * w + 1u] * pair.y;
+      }
+    }
+    return dot * params.scale;
+  }
+  if (KV_MODE == KV_INT8) {
     let base = params.k_at + row * params.k_row;
     for (var w = 0u; w < K_ROW; w++) {
       let word = cache[base + w];
@@ -97,7 +114,11 @@ fn score(row: u32) -> f32 {
 }
 
 fn value(row: u32, j: u32) -> f32 {
-  if (INT8) {
+  if (KV_MODE == KV_F16) {
+    let pair = unpack2x16float(cache[params.v_at + row * params.v_row + j / 2u]);
+    return select(pair.x, pair.y, (j & 1u) == 1u);
+  }
+  if (KV_MODE == KV_INT8) {
     return byte_at(cache[params.v_at + row * params.v_row + j / 4u], j);
   }
   return bitcast<f32>(cache[params.v_at + row * params.v_row + j]);
@@ -166,7 +187,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
       e = exp(s - block_max);
     }
     partial_sum = partial_sum * rescale + e;
-    if (INT8 && valid) {
+    if (KV_MODE == KV_INT8 && valid) {
       weights[lid] = e * bitcast<f32>(cache[params.v_scale_at + row]);
     } else {
       weights[lid] = e;

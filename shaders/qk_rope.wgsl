@@ -9,13 +9,20 @@
 //   RoPE   q, k: pairs (x_2j, x_2j+1) (ROPE 1, adjacent: llama GGUFs) or (x_j, x_j+R/2) (ROPE 2,
 //          NeoX), j < R/2 = ROPE_HALF, angle = f32(p)·f_j, (a, b) <- (a·c - b·s, a·s + b·c);
 //          dims >= R are not rotated
-//   out    q heads into q_out [T][q_stride]; K and V heads (f32 bits) into cache slot
-//          p mod cache_slots: K [slots][KV][qk] at k_at, V [slots][KV][vd] at v_at (as qkv_post)
+//   out    q heads into q_out [T][q_stride]; K and V heads into cache slot p mod cache_slots:
+//          rows [slots][KV][K_ROW] of words at k_at, [slots][KV][V_ROW] at v_at. KV_MODE 0: f32
+//          bits (as qkv_post). KV_MODE 2: two halves per word (element e in the low half of word
+//          e / 2 when e is even; an odd width's last high half 0), each value clamped to
+//          ±65504 and rounded to the nearest half, ties to even, in f32 (to_half_grid), then
+//          pack2x16float: WGSL lets that builtin pick either neighbour and leaves out-of-range
+//          values indeterminate, but an exact half in range packs the same on every adapter.
+//          Core WGSL, no shader-f16.
 //
 // qkv rows hold q, k and v at float offsets q_offset, k_offset, v_offset; `vectors` holds the
 // layer's norm weights and biases at float offsets (bound only when BIAS or NORM).
 //
-// Constants: HEADS, KV_HEADS, QK_DIM, V_DIM, ROPE, ROPE_HALF, NORM, BIAS, PIO2_1..PIO2_4. Sizes
+// Constants: HEADS, KV_HEADS, QK_DIM, V_DIM, ROPE, ROPE_HALF, NORM, BIAS, KV_MODE (0 f32, 2 f16),
+// K_ROW, V_ROW (words per cache row), PIO2_1..PIO2_4. Sizes
 // are constants: lavapipe recompiles a shader at every dispatch whose control flow depends on
 // uniform values alone.
 
@@ -50,12 +57,31 @@ struct Params {
 
 const THREADS: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
+const KV_F16: u32 = 2u;
+const HALF_MAX: f32 = 65504.0;
+const HALF_MIN_NORMAL: f32 = 6.103515625e-05;  // 2^-14; below it halves are multiples of 2^-24
 
 var<workgroup> x: array<f32, MAX_HEAD_DIM>;
 var<workgroup> partial: array<f32, THREADS>;
 var<workgroup> angle: array<f32, 128>;
 
 //#include rope_cos_sin.wgsl
+
+// x saturated to ±HALF_MAX and rounded to the nearest half, ties to even, as an f32 (exact).
+fn to_half_grid(x: f32) -> f32 {
+  let c = clamp(x, -HALF_MAX, HALF_MAX);
+  if (abs(c) < HALF_MIN_NORMAL) {
+    return round(c * 16777216.0) * 5.9604644775390625e-08;  // round() is ties-to-even
+  }
+  // Keep 10 of the 23 mantissa bits: add just under half of the dropped part, plus its last
+  // kept bit (ties to even); a carry moves into the exponent as it should.
+  let bits = bitcast<u32>(c);
+  return bitcast<f32>((bits + 0x0FFFu + ((bits >> 13u) & 1u)) & 0xFFFFE000u);
+}
+
+fn half_pair(a: f32, b: f32) -> u32 {
+  return pack2x16float(vec2<f32>(to_half_grid(a), to_half_grid(b)));
+}
 
 fn biased(at: u32, bias_at: u32) -> f32 {
   if (BIAS) {
@@ -158,13 +184,22 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
 
   // 4. out: q to q_out, k and v into the cache slot.
   let slot = p % params.cache_slots;
-  for (var i = lid; i < dim; i += THREADS) {
-    if (kind == 0u) {
+  var cache_at = params.k_at + (slot * KV_HEADS + head) * K_ROW;
+  if (kind == 2u) {
+    cache_at = params.v_at + (slot * KV_HEADS + head) * V_ROW;
+  }
+  if (kind == 0u) {
+    for (var i = lid; i < dim; i += THREADS) {
       q_out[t * params.q_stride + own + i] = x[i];
-    } else if (kind == 1u) {
-      cache[params.k_at + (slot * KV_HEADS + head) * QK_DIM + i] = bitcast<u32>(x[i]);
-    } else {
-      cache[params.v_at + (slot * KV_HEADS + head) * V_DIM + i] = bitcast<u32>(x[i]);
+    }
+  } else if (KV_MODE == KV_F16) {
+    for (var w = lid; 2u * w < dim; w += THREADS) {
+      let e = 2u * w;
+      cache[cache_at + w] = half_pair(x[e], select(0.0, x[e + 1u], e + 1u < dim));
+    }
+  } else {
+    for (var i = lid; i < dim; i += THREADS) {
+      cache[cache_at + i] = bitcast<u32>(x[i]);
     }
   }
 }

@@ -10,7 +10,8 @@ chunked.
 
 Reference functions: ``reference.ops.causal_conv``, ``reference.attention.position_heads``
 (head_norm + rope), ``reference.ops.fake_quant`` / ``quantize_rows`` (int8 mode),
-``reference.attention.attend`` (``attend_one`` / ``attend_one_int8``) and ``ops.sigmoid``.
+``reference.attention.attend`` (``attend_one`` / ``attend_one_int8``) and ``ops.sigmoid``; the
+dense family's ``qk_rope``: ``reference.dense_attention.position_heads`` and ``kv_f16`` (f16 mode).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ STORAGE_OFFSET_ALIGN = 256  # WebGPU's minStorageBufferOffsetAlignment default (
 DEFAULT_CHUNK = 64  # the largest prefill chunk a cache is sized for (models.needle3.PREFILL_CHUNK)
 
 ROPE_STYLES = ("none", "adjacent", "neox")
+KV_MODES = ("f32", "int8", "f16")  # KvCache layouts; KV_MODE 0, 1, 2 in attention.wgsl / qk_rope.wgsl
 NORM_KINDS = ("none", "zc", "head", "full")
 
 
@@ -128,43 +130,59 @@ def needle3_shape(geometry, layer: int) -> AttentionShape:
 
 
 class KvCache:
-    """One layer's K/V cache on the GPU (§6 item 1): one u32 storage buffer.
+    """One layer's K/V cache on the GPU (Needle 3 §6 item 1, dense §3): one u32 storage buffer.
 
     ``slots``: the context for global layers (``shape.window`` None); for local ones
     min(span + chunk - 1, context), span = the window. A chunk writes its K/V before attending, so the ring needs
     chunk - 1 slots beyond the window: no key a query of the chunk still sees is overwritten.
     Position p lives in slot p mod slots.
 
-    Layout, in 32-bit words: K rows [slots][kv_heads][k_row] at ``k_at``, V rows
-    [slots][kv_heads][v_row] at ``v_at``. f32 mode: k_row = qk_head_dim, v_row = v_head_dim,
-    f32 values. int8 mode: k_row = ceil(qk/4), v_row = ceil(vd/4), 4 signed bytes per word
-    (element e in byte e % 4, padding bytes 0), then the f32 scales [slots][kv_heads] of K at
-    ``k_scale_at`` and of V at ``v_scale_at``.
+    ``mode`` (one of ``KV_MODES``; default "int8" when ``int8`` is true, else "f32"). Layout, in
+    32-bit words: K rows [slots][kv_heads][k_row] at ``k_at``, V rows [slots][kv_heads][v_row]
+    at ``v_at``.
+
+    - "f32": k_row = qk_head_dim, v_row = v_head_dim, f32 values.
+    - "int8" (Needle 3): k_row = ceil(qk/4), v_row = ceil(vd/4), 4 signed bytes per word
+      (element e in byte e % 4, padding bytes 0), then the f32 scales [slots][kv_heads] of K at
+      ``k_scale_at`` and of V at ``v_scale_at``.
+    - "f16" (dense family): k_row = ceil(qk/2), v_row = ceil(vd/2), two IEEE halves per word
+      (element e in the low half of word e / 2 when e is even, the high half when odd; an odd
+      width's last high half is 0). Written with ``pack2x16float`` and read with
+      ``unpack2x16float``, which are core WGSL: no ``shader-f16`` feature is needed, so the mode
+      works on every adapter (lavapipe and SwiftShader included). ``qk_rope`` saturates each
+      value to ±65504 (the largest half) and rounds it to the nearest half, ties to even (reference:
+      ``reference.dense_attention.kv_f16``); half the bytes of "f32".
     """
 
     def __init__(self, device: Device, shape: AttentionShape, context: int, int8: bool = False,
-                 chunk: int = DEFAULT_CHUNK, name: str = "kv_cache"):
-        self.name, self.context, self.int8, self.chunk = name, context, bool(int8), chunk
+                 chunk: int = DEFAULT_CHUNK, name: str = "kv_cache", mode: str | None = None):
+        mode = ("int8" if int8 else "f32") if mode is None else mode
+        if mode not in KV_MODES or (int8 and mode != "int8"):
+            raise ValueError(f"KvCache: mode {mode!r} with int8={int8} (modes: {KV_MODES})")
+        self.name, self.context, self.mode, self.chunk = name, context, mode, chunk
+        self.int8 = mode == "int8"
         self.kv_heads, self.qk_dim, self.v_dim = shape.kv_heads, shape.qk_dim, shape.v_dim
         self.span = context if shape.window is None else shape.window
         self.slots = context if shape.window is None else min(self.span + chunk - 1, context)
         rows = self.slots * self.kv_heads
-        if self.int8:
-            self.k_row, self.v_row = -(-self.qk_dim // 4), -(-self.v_dim // 4)
-        else:
-            self.k_row, self.v_row = self.qk_dim, self.v_dim
+        per_word = {"f32": 1, "int8": 4, "f16": 2}[mode]
+        self.k_row, self.v_row = -(-self.qk_dim // per_word), -(-self.v_dim // per_word)
         self.k_at = 0
         self.v_at = rows * self.k_row
         self.k_scale_at = self.v_at + rows * self.v_row
         self.v_scale_at = self.k_scale_at + (rows if self.int8 else 0)
         self.words = self.v_scale_at + (rows if self.int8 else 0)
-        mode = "int8" if self.int8 else "f32"
         self.buffer = device.buffer(4 * self.words, label=f"{name}.{mode}", kind="kv")
 
     @property
     def nbytes(self) -> int:
         """Bytes of cache data (the buffer may be padded up to 16 bytes)."""
         return 4 * self.words
+
+    @property
+    def mode_code(self) -> int:
+        """The KV_MODE constant of the shaders."""
+        return KV_MODES.index(self.mode)
 
     def check_chunk(self, positions: int) -> None:
         """Refuse chunks longer than this cache was sized for (a local ring would lose keys)."""
@@ -201,7 +219,7 @@ def _layer_fp16(store, shape: AttentionShape, layer: int) -> tuple:
 def _cache_mode(op: str, cache: KvCache, int8: bool | None) -> bool:
     int8 = cache.int8 if int8 is None else bool(int8)
     if int8 != cache.int8:
-        raise ValueError(f"{op}: int8={int8} but {cache.name} is {'int8' if cache.int8 else 'f32'}")
+        raise ValueError(f"{op}: int8={int8} but {cache.name} is {cache.mode}")
     return int8
 
 
@@ -233,6 +251,8 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp
         raise UnsupportedModelError(f"qkv_post: Needle 3 shapes only (norm {sh.norm}, rope {sh.rope}); "
                                     "dense layers use qk_rope")
     int8 = _cache_mode("qkv_post", cache, int8)
+    if cache.mode == "f16":
+        raise UnsupportedModelError(f"qkv_post: {cache.name} is f16; Needle 3 caches are f32 or int8 (§6 item 1)")
     sh.check()
     cache.check_chunk(positions)
     taps = sh.conv_taps
@@ -268,17 +288,18 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
 
     Query head hq of position p = pos0 + t reads kv head hq // (H / KV) over the keys
     n in [max(0, p + 1 - span), p] (span = ``shape.window``, or the whole context) at cache slot
-    n mod slots; scores (q·k)·scale (int8: ((q·k8)·k_scale)·scale; scale =
-    ``shape.score_scale``), max-subtracted softmax (online over blocks of 256 keys, so any span
-    works within 4 KiB of workgroup memory), values weighted by the softmax (int8: times
-    v_scale, then the i8 values).
+    n mod slots; scores (q·k)·scale (int8: ((q·k8)·k_scale)·scale; f16: the halves widened to
+    f32, summed in the f32 mode's order; scale = ``shape.score_scale``), max-subtracted softmax
+    (online over blocks of 256 keys, so any span works within 4 KiB of workgroup memory), values
+    weighted by the softmax (int8: times v_scale, then the i8 values). Every ``KvCache`` mode is
+    read; Needle 3 uses f32 or int8, the dense family f32 or f16.
 
     Bindings (``attention.wgsl``): 0 params, 1 ``step`` (uniform Step), 2 ``q`` f32
     [T][q_stride] (qkv_post's / qk_rope's output), 3 the cache buffer, 4 ``gate`` f32
     [T][gate_stride] (Needle 3: the qkvg rows, gate at offset q + k + v widths, the defaults;
     without a gate, ``q`` is bound again and never read), 5 ``o`` f32 [T][o_stride].
-    Workgroups: (H, T), 256 invocations. Constants: INT8, GATE, VCOLS (v head width rounded up
-    to a power of two), QK_DIM, K_ROW.
+    Workgroups: (H, T), 256 invocations. Constants: KV_MODE (``cache.mode_code``), GATE, VCOLS (v
+    head width rounded up to a power of two), QK_DIM, K_ROW.
     """
     sh = shape
     int8 = _cache_mode("attention", cache, int8)
@@ -293,7 +314,7 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
                        width if gate_offset is None else gate_offset, o_stride or sh.out_width,
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
                        sh.score_scale, 0, 0, 0)
-    key = KernelKey("attention", consts=(("INT8", int8), ("GATE", sh.gate), ("VCOLS", vcols),
+    key = KernelKey("attention", consts=(("KV_MODE", cache.mode_code), ("GATE", sh.gate), ("VCOLS", vcols),
                                           ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row)))
     gates = gate if sh.gate else q
     plan.add(key, [params, step, q, cache.buffer, gates, o], (sh.heads, positions), label=label)
@@ -309,20 +330,25 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
             k_offset: int | None = None, v_offset: int | None = None, q_stride: int | None = None,
             label: str = "qk_rope") -> None:
     """The dense family's q/k/v after the projections (dense §3): biases, q/k norm, RoPE at the
-    absolute position, q out and K/V into the f32 cache. Reference: ``reference.dense_attention
-    .position_heads``.
+    absolute position, q out and K/V into the f32 or f16 cache. Reference: ``reference
+    .dense_attention.position_heads`` (and ``kv_f16`` of its k and v for an f16 cache).
 
     Per position p = pos0 + t and head: x += bias (``shape.bias``: qwen2); q and k normed as
     ``shape.norm`` ("head": x·w/rms per head with [qk] weights, qwen3/gemma3; "full": the rms
     over all of q or k, weights [H·qk] / [KV·qk], OLMoE; eps ``shape.eps``); RoPE of the first
     ``shape.rope_dims`` dims of each q/k head in ``shape.rope`` pairing ("adjacent": llama
-    GGUFs, "neox": qwen2/qwen3/gemma3) with ``shape.frequencies()``; v only biased.
+    GGUFs, "neox": qwen2/qwen3/gemma3) with ``shape.frequencies()``; v only biased. An f16
+    cache gets each K/V value clamped to ±65504 (a huge activation saturates rather than
+    becoming inf: WGSL leaves ``pack2x16float`` of out-of-range values indeterminate, and an inf
+    key would turn the softmax into NaN) and rounded in f32 to the nearest half, ties to even,
+    before ``pack2x16float``, whose own rounding WGSL lets each adapter choose: the value is
+    exact by then, so every adapter stores the same bits. NaN gives an unspecified half.
 
     Bindings (``qk_rope.wgsl``): 0 params (uniform, with the RoPE frequencies), 1 ``step``
     (uniform Step, pos0), 2 ``qkv`` f32 [T][qkv_stride] (q at ``q_offset``, k at ``k_offset``,
     v at ``v_offset`` floats; defaults: one q | k | v row), 3 ``vectors`` f32 holding the
     layer's norm weights and biases at the given float offsets (``qkv`` is bound again when the
-    shape has neither), 4 ``q_out`` f32 [T][q_stride], 5 the f32 cache buffer (see
+    shape has neither), 4 ``q_out`` f32 [T][q_stride], 5 the cache buffer (f32 or f16, see
     ``KvCache``). Workgroups: (H + 2·KV, T), 64 invocations. Requires positions below 2^16
     when RoPE is on (the angle reduction).
     """
@@ -330,7 +356,7 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
     if sh.norm == "zc" or sh.conv_taps:
         raise UnsupportedModelError("qk_rope: Needle 3 shapes (conv, ZCRMSNorm) use qkv_post")
     if cache.int8:
-        raise UnsupportedModelError(f"qk_rope: {cache.name} is int8; dense layers use an f32 cache")
+        raise UnsupportedModelError(f"qk_rope: {cache.name} is int8; dense layers use an f32 or f16 cache")
     sh.check()
     cache.check_chunk(positions)
     if sh.rope != "none" and cache.context > MAX_ROPE_POSITION:
@@ -346,6 +372,7 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
                        *sh.frequencies())
     consts = (("HEADS", sh.heads), ("KV_HEADS", sh.kv_heads), ("QK_DIM", sh.qk_dim), ("V_DIM", sh.v_dim),
               ("ROPE", ROPE_CODES[sh.rope]), ("ROPE_HALF", sh.rope_dims // 2), ("NORM", NORM_CODES[sh.norm]),
-              ("BIAS", sh.bias), *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())))
+              ("BIAS", sh.bias), ("KV_MODE", cache.mode_code), ("K_ROW", cache.k_row), ("V_ROW", cache.v_row),
+              *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())))
     bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer]
     plan.add(KernelKey("qk_rope", consts=consts), bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)

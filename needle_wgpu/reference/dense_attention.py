@@ -2,7 +2,8 @@
 
 ``position_heads`` is the reference of ``kernels.attention.qk_rope``; the attention itself is
 ``reference.attention.attend`` (GQA, window, ``scale``), as for Needle 3 without the gate.
-The layer is described by the same ``AttentionShape`` the GPU op takes.
+The layer is described by the same ``AttentionShape`` the GPU op takes. An f16 K/V cache is
+``attend`` over ``kv_f16`` of the keys and values.
 """
 
 from __future__ import annotations
@@ -10,6 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from .ops import F32, rms_norm, rope_pairs
+
+HALF_MAX = 65504.0  # the largest finite IEEE half
+
+
+def kv_f16(x: np.ndarray) -> np.ndarray:
+    """K or V as an f16 cache holds it, widened back to f32: saturated to ±65504 and rounded to
+    the nearest half, ties to even (np.float16 would give inf beyond 65520; the cache saturates,
+    as every out-of-range number does under the no-panic contract)."""
+    return np.clip(np.asarray(x, F32), -HALF_MAX, HALF_MAX).astype(np.float16).astype(F32)
 
 
 def position_heads(shape, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, *,

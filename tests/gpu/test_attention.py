@@ -128,10 +128,16 @@ def random_raw(rng, g, n):
 
 
 def read_cache(device, cache):
-    """The cache buffer decoded: (k, v) f32, or (k_i8, k_scale, v_i8, v_scale), per slot."""
+    """The cache buffer decoded: (k, v) f32 or float16, or (k_i8, k_scale, v_i8, v_scale), per slot."""
     words = np.frombuffer(device.read(cache.buffer, 4 * cache.words), np.uint32)
     s, kv, qk, vd = cache.slots, cache.kv_heads, cache.qk_dim, cache.v_dim
-    if not cache.int8:
+    if cache.mode == "f16":
+        k = words[cache.k_at : cache.v_at].view(np.float16).reshape(s, kv, 2 * cache.k_row)
+        v = words[cache.v_at : cache.words].view(np.float16).reshape(s, kv, 2 * cache.v_row)
+        assert not k[..., qk:].view(np.uint16).any() and not v[..., vd:].view(np.uint16).any(), \
+            "padding halves must stay 0"
+        return k[..., :qk], v[..., :vd]
+    if cache.mode == "f32":
         k = words[cache.k_at : cache.v_at].view(F32).reshape(s, kv, qk)
         v = words[cache.v_at : cache.v_at + s * kv * vd].view(F32).reshape(s, kv, vd)
         return k, v
@@ -396,8 +402,11 @@ def fill_cache(device, cache, entries, positions):
         starts = (cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at)
     else:
         k, v = entries
-        kr, vr = np.zeros((s, kv, cache.qk_dim), F32), np.zeros((s, kv, cache.v_dim), F32)
-        kr[slots], vr[slots] = k, v
+        dtype = np.float16 if cache.mode == "f16" else F32
+        per_word = 4 // np.dtype(dtype).itemsize
+        kr = np.zeros((s, kv, per_word * cache.k_row), dtype)
+        vr = np.zeros((s, kv, per_word * cache.v_row), dtype)
+        kr[slots, :, : cache.qk_dim], vr[slots, :, : cache.v_dim] = k, v
         parts, starts = (kr.view(np.uint32), vr.view(np.uint32)), (cache.k_at, cache.v_at)
     for part, start in zip(parts, starts):
         words[start : start + part.size] = part.ravel()

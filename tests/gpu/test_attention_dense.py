@@ -65,12 +65,12 @@ class Layer:
 
 
 class Runner:
-    """qk_rope (and attention) for one shape, chunk by chunk at any pos0."""
+    """qk_rope (and attention) for one shape and cache mode, chunk by chunk at any pos0."""
 
-    def __init__(self, device, shape, layer, context, chunk):
+    def __init__(self, device, shape, layer, context, chunk, mode="f32"):
         self.device, self.shape, self.layer = device, shape, layer
         sh = shape
-        self.cache = ops.KvCache(device, sh, context, chunk=chunk, name="kv_cache.dense")
+        self.cache = ops.KvCache(device, sh, context, chunk=chunk, name="kv_cache.dense", mode=mode)
         self.qkv = device.buffer(4 * chunk * (sh.q_width + sh.k_width + sh.v_width), label="qkv")
         self.q = device.buffer(4 * chunk * sh.q_width, label="q")
         self.o = device.buffer(4 * chunk * sh.out_width, label="o")
