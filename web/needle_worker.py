@@ -103,7 +103,7 @@ def _upload(data: bytes, name: str) -> dict:
     compiled pipelines) is kept, a lost one replaced."""
     started = time.perf_counter()
     family = family_of(data)
-    parsed = family.read(data)  # raises ContainerError before the loaded model is touched
+    model_file = family.read(data)  # raises ContainerError before the loaded model is touched
     parsed = time.perf_counter()
     State.model = None  # if this upload fails, the next request re-uploads the previous model
     device = State.device
@@ -111,12 +111,12 @@ def _upload(data: bytes, name: str) -> dict:
         device = _open_device()
     else:
         device.release_dropped()  # the old model's memory, now rather than at JS garbage collection
-    layers = parsed.geometry.num_layers
+    layers = model_file.geometry.num_layers
 
     def report(stage, done, total):
         progress("upload", f"Uploading weights (layer {done} of {layers})", done, total)
 
-    model = Model(family.open(parsed, device, progress=report))
+    model = Model(family.open(model_file, device, progress=report))
     device.check("uploading the weights")
     uploaded = time.perf_counter()
     progress("compile", "Compiling GPU pipelines and running a first step", 0, None)
