@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 
 U32_MAX = 0xFFFFFFFF
 MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
+WEIGHT_ONE = 1 << 24  # the sampler's fixed point: weights, top_p and the draw are multiples of 2^-24
+F32_MAX = 3.4028234663852886e38
 
 
 def _number(value, default: float) -> float:
@@ -60,6 +63,30 @@ class Sampling:
             s = _number(seed, 0.0)
             s = 0 if (math.isnan(s) or math.isinf(s)) else int(s) & U32_MAX
         return cls(t, k, p, s)
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (±inf past the float32 range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # beyond the largest float32 by more than half an ulp
+        return math.copysign(math.inf, value)
+
+
+def sampler_constants(s: Sampling) -> tuple:
+    """What the GPU sampler and its reference compute with, derived once on the host (pure Python):
+    (greedy, inverse temperature as float32, top_p as a multiple of 2^-24).
+
+    greedy: the float32 temperature is <= 0, top_k == 1 or top_p <= 0. The weights use
+    (l - max) · f32(1 / f32(temperature)), clamped to the largest float32 (a float32 multiply is
+    exact on every GPU, a division is not). top_p: floor(f32(top_p) · 2^24); 2^24 (or more) = off.
+    """
+    temperature = f32(float(s.temperature))
+    top_p = f32(float(s.top_p))
+    greedy = temperature <= 0.0 or s.top_k == 1 or top_p <= 0.0
+    inverse = 0.0 if greedy else f32(min(1.0 / temperature, F32_MAX))
+    p_fixed = WEIGHT_ONE if greedy or top_p >= 1.0 else int(math.floor(top_p * WEIGHT_ONE))
+    return greedy, inverse, p_fixed
 
 
 def as_u32(value) -> tuple:
