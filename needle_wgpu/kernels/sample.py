@@ -118,12 +118,15 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
 _BINDINGS_USED = {"reduce": 3, "count_k": 3, "count_ties": 3, "weigh": 4, "sum_p": 4, "keep": 4, "draw": 7}
 
 
-def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_top_k, use_top_p):
-    """The passes ``sample_staged.wgsl`` describes, only those the settings need."""
+def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_top_k, use_top_p,
+            every_pass=False):
+    """The passes ``sample_staged.wgsl`` describes: only those the settings need, or (tests)
+    ``every_pass``, since each pass also checks the settings itself."""
     rows, greedy = words[0], words[8]
+    if scratch.rows < rows:
+        raise UnsupportedModelError(f"sampler: scratch for {scratch.rows} logits, the row has {rows}")
     groups = -(-rows // SLICE)
     params = [arena.add(*words, groups, digit, 0) for digit in range(4)]
-
     bindings = [None, logits, scratch.state, scratch.weights, step, tokens, result]
 
     def add(entry, digit=0, groups=groups):
@@ -132,13 +135,13 @@ def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_to
         plan.add(key, bindings[: _BINDINGS_USED[entry]], (groups,), label=f"sample.{entry}")
 
     add("reduce")
-    if not greedy:
-        if use_top_k:
+    if every_pass or not greedy:
+        if every_pass or use_top_k:
             for digit in range(4):
                 add("count_k", digit)
             add("count_ties")
         add("weigh")
-        if use_top_p:
+        if every_pass or use_top_p:
             for digit in (1, 2, 3):
                 add("sum_p", digit)
             add("keep")
