@@ -40,10 +40,6 @@ const THREADS: u32 = 256u;
 
 //#include sample_common.wgsl
 
-var<workgroup> red_key: array<u32, 256>;
-var<workgroup> red_index: array<u32, 256>;
-var<workgroup> shared_u32: u32;
-var<workgroup> shared_u32b: u32;
 var<workgroup> picked: u32;
 
 // The radix select of the K-th largest key: (θ, how many of the ties at θ are in the top K).
@@ -113,27 +109,10 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     }
   }
 
-  // Greedy: the largest key, lowest index on ties (indices ascend within and across threads).
-  red_key[lid] = best_key;
-  red_index[lid] = best_index;
-  workgroupBarrier();
-  for (var span = THREADS / 2u; span > 0u; span >>= 1u) {
-    if (lid < span) {
-      let other_key = red_key[lid + span];
-      let other_index = red_index[lid + span];
-      if (other_key > red_key[lid] || (other_key == red_key[lid] && other_index < red_index[lid])) {
-        red_key[lid] = other_key;
-        red_index[lid] = other_index;
-      }
-    }
-    workgroupBarrier();
-  }
-  if (lid == 0u) {
-    shared_u32 = red_key[0];
-    shared_u32b = red_index[0];
-  }
-  let max_key = workgroupUniformLoad(&shared_u32);
-  var chosen = workgroupUniformLoad(&shared_u32b);
+  // Greedy: the largest key, lowest index on ties.
+  let best = block_argmax(lid, best_key, best_index);
+  let max_key = best.x;
+  var chosen = best.y;
   var flags = 0u;
   if (max_key == NEG_INF_KEY) {
     flags |= FLAG_NO_FINITE;
@@ -161,7 +140,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     for (var e = 0u; e < ITEMS; e++) {
       ties += select(0u, 1u, keys[e] == theta_k);
     }
-    var tie_rank = block_scan64(lid, vec2<u32>(ties, 0u), false).x;
+    var tie_rank = block_scan64(lid, vec2<u32>(ties, 0u)).x;
 
     var w: array<u32, ITEMS>;
     var own = 0u;
@@ -192,7 +171,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
       own += select(0u, w[e], keys[e] >= theta_p);
     }
     let share = vec2<u32>(own, 0u);
-    let before = block_scan64(lid, share, false);
+    let before = block_scan64(lid, share);
     let mass = block_sum64(lid, share);
     let position = chunk.pos0 + params.positions;
     let goal = scale24(mass, draw24(params.seed, position)).xy;

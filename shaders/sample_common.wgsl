@@ -95,58 +95,124 @@ fn nucleus_target(total: vec2<u32>, p_fixed: u32) -> vec2<u32> {
   return goal_mass;
 }
 
+// Workgroup reductions in two levels, 16 rows of 16 invocations: CPU adapters run a workgroup
+// on one thread and pay for every barrier, so each of these takes three or four where a tree
+// takes 8 to 16. `rows64[r]` is the sum of invocations [16r, 16r + 16).
+const ROW: u32 = 16u;
+
 var<workgroup> red64: array<vec2<u32>, THREADS>;
+var<workgroup> rows64: array<vec2<u32>, ROW>;
 var<workgroup> shared64: vec2<u32>;
 
-// Σ over the workgroup of one u64 per invocation; the same value everywhere.
+fn sum_rows64(lid: u32) {
+  if (lid < ROW) {
+    var total = vec2<u32>(0u, 0u);
+    for (var m = 0u; m < ROW; m++) {
+      total = add64(total, red64[lid * ROW + m]);
+    }
+    rows64[lid] = total;
+  }
+}
+
+// Σ over the workgroup of one u64 per invocation; the same value everywhere. A following call
+// may start at once: every invocation reads the total only after the stores it depends on.
 fn block_sum64(lid: u32, value: vec2<u32>) -> vec2<u32> {
   red64[lid] = value;
   workgroupBarrier();
-  for (var span = THREADS / 2u; span > 0u; span >>= 1u) {
-    if (lid < span) {
-      red64[lid] = add64(red64[lid], red64[lid + span]);
-    }
-    workgroupBarrier();
-  }
+  sum_rows64(lid);
+  workgroupBarrier();
   if (lid == 0u) {
-    shared64 = red64[0];
+    var total = vec2<u32>(0u, 0u);
+    for (var r = 0u; r < ROW; r++) {
+      total = add64(total, rows64[r]);
+    }
+    shared64 = total;
   }
   return workgroupUniformLoad(&shared64);
 }
 
-// Exclusive prefix sum over invocations in order (Hillis-Steele), or the suffix sum of the
-// invocations above when `reverse`.
-fn block_scan64(lid: u32, value: vec2<u32>, reverse: bool) -> vec2<u32> {
+// Exclusive prefix sum over invocations in index order.
+fn block_scan64(lid: u32, value: vec2<u32>) -> vec2<u32> {
   red64[lid] = value;
   workgroupBarrier();
-  for (var offset = 1u; offset < THREADS; offset <<= 1u) {
-    var v = red64[lid];
-    if (reverse && lid + offset < THREADS) {
-      v = add64(v, red64[lid + offset]);
-    }
-    if (!reverse && lid >= offset) {
-      v = add64(v, red64[lid - offset]);
-    }
-    workgroupBarrier();
-    red64[lid] = v;
-    workgroupBarrier();
+  sum_rows64(lid);
+  workgroupBarrier();
+  let row = lid / ROW;
+  var before = vec2<u32>(0u, 0u);
+  for (var r = 0u; r < row; r++) {
+    before = add64(before, rows64[r]);
   }
-  let inclusive = red64[lid];
-  workgroupBarrier();  // a following call may overwrite red64
-  return sub64(inclusive, value);
+  for (var m = row * ROW; m < lid; m++) {
+    before = add64(before, red64[m]);
+  }
+  workgroupBarrier();  // a following call may overwrite red64 and rows64
+  return before;
+}
+
+var<workgroup> red_pairs: array<vec2<u32>, THREADS>;
+var<workgroup> row_pairs: array<vec2<u32>, ROW>;
+var<workgroup> shared_pair: vec2<u32>;
+
+// Of two (key, index) pairs, the larger key, or the lower index on equal keys.
+fn better(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
+  return select(a, b, b.x > a.x || (b.x == a.x && b.y < a.y));
+}
+
+// The largest key with its lowest index, over the workgroup; the same everywhere.
+fn block_argmax(lid: u32, key: u32, index: u32) -> vec2<u32> {
+  red_pairs[lid] = vec2<u32>(key, index);
+  workgroupBarrier();
+  if (lid < ROW) {
+    var best = red_pairs[lid * ROW];
+    for (var m = 1u; m < ROW; m++) {
+      best = better(best, red_pairs[lid * ROW + m]);
+    }
+    row_pairs[lid] = best;
+  }
+  workgroupBarrier();
+  if (lid == 0u) {
+    var best = row_pairs[0];
+    for (var r = 1u; r < ROW; r++) {
+      best = better(best, row_pairs[r]);
+    }
+    shared_pair = best;
+  }
+  return workgroupUniformLoad(&shared_pair);
 }
 
 // The radix step shared by top-k (counts) and top-p (weights): invocation `lid` holds bin `lid`'s
 // sum; the digit d with Σ_{bins > d} < remaining <= Σ_{bins >= d}, and remaining - Σ_{bins > d}.
-// Returns (digit, remaining low, remaining high); the same everywhere.
+// Returns (digit, remaining low, remaining high); the same everywhere. Such a digit exists when
+// 0 < remaining <= Σ bins.
 var<workgroup> chosen_digit: vec3<u32>;
 
 fn select_digit(lid: u32, bin: vec2<u32>, remaining: vec2<u32>) -> vec3<u32> {
-  let above = block_scan64(lid, bin, true);
-  let at_or_above = add64(above, bin);
-  if (less64(above, remaining) && !less64(at_or_above, remaining)) {
+  red64[lid] = bin;
+  workgroupBarrier();
+  sum_rows64(lid);
+  workgroupBarrier();
+  if (lid == 0u) {
+    var above = vec2<u32>(0u, 0u);
+    var row = 0u;
+    for (var r = ROW; r > 0u; r--) {
+      let next = add64(above, rows64[r - 1u]);
+      if (!less64(next, remaining)) {
+        row = r - 1u;
+        break;
+      }
+      above = next;
+    }
+    var digit = row * ROW;
+    for (var m = row * ROW + ROW; m > row * ROW; m--) {
+      let next = add64(above, red64[m - 1u]);
+      if (!less64(next, remaining)) {
+        digit = m - 1u;
+        break;
+      }
+      above = next;
+    }
     let rest = sub64(remaining, above);
-    chosen_digit = vec3<u32>(lid, rest.x, rest.y);
+    chosen_digit = vec3<u32>(digit, rest.x, rest.y);
   }
   return workgroupUniformLoad(&chosen_digit);
 }

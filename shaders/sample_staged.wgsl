@@ -65,9 +65,6 @@ const SLICES: u32 = 4128u;   // per slice: max key, argmax, ties at θ_k, kept m
 
 //#include sample_common.wgsl
 
-var<workgroup> red_key: array<u32, 256>;
-var<workgroup> red_index: array<u32, 256>;
-var<workgroup> shared_pair: vec2<u32>;
 var<workgroup> shared_flag: u32;
 var<workgroup> picked: u32;
 var<workgroup> picked_slice: vec3<u32>;
@@ -100,28 +97,6 @@ fn flush_hist(lid: u32, at: u32) {
 
 fn key_at(i: u32) -> u32 {
   return order_key(logits[params.logits_offset + i]);
-}
-
-// The largest key with its lowest index, over the workgroup; the same everywhere.
-fn block_argmax(lid: u32, key: u32, index: u32) -> vec2<u32> {
-  red_key[lid] = key;
-  red_index[lid] = index;
-  workgroupBarrier();
-  for (var span = THREADS / 2u; span > 0u; span >>= 1u) {
-    if (lid < span) {
-      let other_key = red_key[lid + span];
-      let other_index = red_index[lid + span];
-      if (other_key > red_key[lid] || (other_key == red_key[lid] && other_index < red_index[lid])) {
-        red_key[lid] = other_key;
-        red_index[lid] = other_index;
-      }
-    }
-    workgroupBarrier();
-  }
-  if (lid == 0u) {
-    shared_pair = vec2<u32>(red_key[0], red_index[0]);
-  }
-  return workgroupUniformLoad(&shared_pair);
 }
 
 // The max key and argmax of the whole row, from the slices' (reduce).
@@ -298,7 +273,7 @@ fn weigh(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: 
         ties += 1u;
       }
     }
-    tie_rank = block_sum64(lid, vec2<u32>(earlier, 0u)).x + block_scan64(lid, vec2<u32>(ties, 0u), false).x;
+    tie_rank = block_sum64(lid, vec2<u32>(earlier, 0u)).x + block_scan64(lid, vec2<u32>(ties, 0u)).x;
   }
 
   var own = 0u;
@@ -436,7 +411,7 @@ fn draw(@builtin(local_invocation_index) lid: u32) {
     for (var g = first; g < last; g++) {
       own = add64(own, vec2<u32>(load(slice_word(g, 3u)), load(slice_word(g, 4u))));
     }
-    let before = block_scan64(lid, own, false);
+    let before = block_scan64(lid, own);
     let mass = block_sum64(lid, own);
     let goal = scale24(mass, draw24(params.seed, position)).xy;
     if (!less64(goal, before) && less64(goal, add64(before, own))) {
@@ -462,7 +437,7 @@ fn draw(@builtin(local_invocation_index) lid: u32) {
         share += weights[i];
       }
     }
-    let start = block_scan64(lid, vec2<u32>(share, 0u), false);
+    let start = block_scan64(lid, vec2<u32>(share, 0u));
     let rest = slice.yz;
     if (!less64(rest, start) && less64(rest, add64(start, vec2<u32>(share, 0u)))) {
       let rest_u32 = sub64(rest, start).x;

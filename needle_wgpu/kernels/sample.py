@@ -19,7 +19,7 @@ from ..sampling import U32_MAX, WEIGHT_ONE, Sampling, sampler_constants
 THREADS = 256
 MAX_ITEMS = 64  # one workgroup: logits per invocation held in registers, so rows <= 16384
 ONE_WORKGROUP_ROWS = THREADS * MAX_ITEMS
-STAGED_ITEMS = 16  # staged: a workgroup's slice is 4096 logits
+STAGED_ITEMS = 64  # staged: slices of 16,384 logits (few and long: CPU adapters pay per barrier)
 SLICE = THREADS * STAGED_ITEMS
 MAX_ROWS = 1 << 24
 STATE_SLICES_AT = 4128  # sample_staged.wgsl: SLICES; then 8 words per slice
@@ -95,7 +95,7 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     Bindings: ``sample.wgsl`` 0 params, 1 ``step`` (uniform Step), 2 ``logits`` f32, 3 ``tokens``
     u32 [context] (read_write), 4 ``result`` u32 [4], one workgroup, ITEMS = ceil(rows / 256);
     ``sample_staged.wgsl`` 0 params, 1 ``logits``, 2 ``state``, 3 ``weights`` (the passes after
-    the top-k ones), 4 ``step``, 5 ``tokens``, 6 ``result`` (draw only); ceil(rows / 4096)
+    the top-k ones), 4 ``step``, 5 ``tokens``, 6 ``result`` (draw only); ceil(rows / 16384)
     workgroups per pass, one for the draw.
     """
     variant = variant or variant_for(rows)
