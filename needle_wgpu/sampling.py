@@ -75,18 +75,21 @@ def f32(value: float) -> float:
 
 def sampler_constants(s: Sampling) -> tuple:
     """What the GPU sampler and its reference compute with, derived once on the host (pure Python):
-    (greedy, inverse temperature as float32, top_p as a multiple of 2^-24).
+    (greedy, inverse temperature as float32, top_k, top_p as a multiple of 2^-24).
 
-    greedy: the float32 temperature is <= 0, top_k == 1 or top_p <= 0. The weights use
+    greedy: the float32 temperature is not > 0, top_k == 1 or top_p <= 0. The weights use
     (l - max) · f32(1 / f32(temperature)), clamped to the largest float32 (a float32 multiply is
-    exact on every GPU, a division is not). top_p: floor(f32(top_p) · 2^24); 2^24 (or more) = off.
+    exact on every GPU, a division is not). top_k: clamped to [0, 2^32 - 1]. top_p:
+    floor(f32(top_p) · 2^24); 2^24 = off (also for NaN). Saturated settings need none of the
+    clamps; they keep the GPU and the reference in step for any ``Sampling``.
     """
     temperature = f32(float(s.temperature))
     top_p = f32(float(s.top_p))
-    greedy = temperature <= 0.0 or s.top_k == 1 or top_p <= 0.0
+    top_k = max(0, min(int(s.top_k), U32_MAX))
+    greedy = not temperature > 0.0 or top_k == 1 or top_p <= 0.0
     inverse = 0.0 if greedy else f32(min(1.0 / temperature, F32_MAX))
-    p_fixed = WEIGHT_ONE if greedy or top_p >= 1.0 else int(math.floor(top_p * WEIGHT_ONE))
-    return greedy, inverse, p_fixed
+    p_fixed = int(math.floor(top_p * WEIGHT_ONE)) if top_p < 1.0 and not greedy else WEIGHT_ONE
+    return greedy, inverse, top_k, p_fixed
 
 
 def as_u32(value) -> tuple:

@@ -7,7 +7,7 @@
 //   greedy (the settings say so, no finite maximum, or a +inf logit): the largest logit,
 //     lowest index on ties (all -inf/NaN -> 0);
 //   otherwise: candidates = the K = (top_k or rows) largest logits (ties by lowest index, an
-//     exact 4-pass radix select on the counts); w_i = floor(exp((l_i - max) / T) · 2^24);
+//     exact 4-pass radix select on the counts); w_i = floor(exp((l_i - max) · (1/T)) · 2^24);
 //     nucleus = candidates with key >= θ, θ the largest key whose mass Σ_{key >= θ} w reaches
 //     the target (a 4-pass radix select on the weights; every tie at θ is kept); then the
 //     first nucleus index, in index order, whose running mass exceeds floor(u · mass / 2^24).

@@ -11,7 +11,7 @@
 //                  histograms
 //   count_k ×4     top-k: counts per 8-bit digit of the keys that match the digits so far
 //   count_ties     θ_k and how many ties at θ_k are in; ties per slice
-//   weigh          w_i = floor(exp((l_i - max) / T) · 2^24) on candidates into `weights` (ties
+//   weigh          w_i = floor(exp((l_i - max) · (1/T)) · 2^24) on candidates into `weights` (ties
 //                  at θ_k by index: a slice adds the ties of the slices before it); the kept
 //                  mass per slice; top-p: weight sums per top digit
 //   sum_p ×3       top-p: weight sums per digit of the keys that match the digits so far

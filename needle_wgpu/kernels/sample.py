@@ -102,8 +102,7 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     limit = ONE_WORKGROUP_ROWS if variant == ONE_WORKGROUP else MAX_ROWS
     if not 0 < rows <= limit:
         raise UnsupportedModelError(f"sampler: {rows} logits (the {variant} sampler takes 1 to {limit})")
-    greedy, inverse, p_fixed = sampler_constants(sampling)
-    top_k = max(0, min(int(sampling.top_k), U32_MAX))
+    greedy, inverse, top_k, p_fixed = sampler_constants(sampling)
     words = (rows, logits_offset, positions, context, inverse, top_k, p_fixed, int(sampling.seed) & U32_MAX,
              int(greedy))
     if variant == ONE_WORKGROUP:

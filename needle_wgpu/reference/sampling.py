@@ -14,8 +14,8 @@ The host-side constants (greedy, 1/temperature, top_p in 2^-24) come from
 ``needle_wgpu.sampling.sampler_constants``.
 
 1. Keys: an order-preserving u32 of each logit's bits; NaN counts as -inf.
-2. Greedy when the temperature (as float32) is <= 0, top_k == 1, top_p <= 0, no logit is
-   finite, or a logit is +inf: the largest logit, lowest index on ties (0 when every logit is
+2. Greedy when the temperature (as float32) is not > 0, top_k == 1, top_p <= 0, no logit
+   is finite, or a logit is +inf: the largest logit, lowest index on ties (0 when every logit is
    -inf or NaN).
 3. Candidates: the K = top_k (0: all) largest logits, ties broken by lowest index.
 4. Weights on candidates: x = (l_i - max) · f32(1/temperature) in float32;
@@ -97,13 +97,13 @@ def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, posi
     rows = len(logits)
     keys = order_keys(logits)
     max_key = int(keys.max())
-    settings_greedy, inverse, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
+    settings_greedy, inverse, top_k, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
     if settings_greedy or max_key in (NEG_INF_KEY, POS_INF_KEY):
         return greedy(logits)
     top = key_values(np.array([max_key], np.uint32))[0]
 
     # Steps 3 and 4: the K largest, ties by lowest index (a stable sort on the key).
-    count = rows if top_k == 0 else min(int(top_k), rows)
+    count = rows if top_k == 0 else min(top_k, rows)
     by_key = np.argsort(-keys.astype(np.int64), kind="stable")
     candidates = by_key[:count]
     w = np.zeros(rows, np.uint64)

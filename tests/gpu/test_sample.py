@@ -300,8 +300,8 @@ def test_every_pass_in_the_plan_gives_the_same_ids(sampler, device):
     scratch = sample_ops.shared_scratch(device, 20000)
     for s in settings_for(20000)[:4]:
         s = with_seed(s, 17)
-        greedy, inverse, p_fixed = sampler_constants(s)
-        words = (20000, 0, 1, CONTEXT, inverse, s.top_k, p_fixed, s.seed, int(greedy))
+        greedy, inverse, top_k, p_fixed = sampler_constants(s)
+        words = (20000, 0, 1, CONTEXT, inverse, top_k, p_fixed, s.seed, int(greedy))
         sampler.arena.used = 0
         plan = Plan(device, "all passes")
         sample_ops._staged(plan, sampler.arena, sampler.step, sampler.logits, sampler.tokens, sampler.result,
@@ -379,8 +379,8 @@ def test_reference_follows_its_definition_literally():
 
 
 def literal_sample(x, t, k, p, seed, position):
-    greedy, inverse, p_fixed = sampler_constants(Sampling(t, k, p, seed))
-    if greedy or not np.isfinite(x).any() or np.isposinf(x).any() or k == 1:
+    greedy, inverse, _, p_fixed = sampler_constants(Sampling(t, k, p, seed))
+    if greedy or not np.isfinite(x).any() or np.isposinf(x).any():
         return int(np.argmax(np.where(np.isnan(x), -np.inf, x)))
     top = F32(np.nanmax(x))
     order = sorted(range(len(x)), key=lambda i: (-x[i], i))  # by logit, ties by index
@@ -413,8 +413,12 @@ def test_reference_rng_is_position_keyed():
 
 
 def test_sampler_constants():
-    assert sampler_constants(Sampling.saturate(0.0)) == (True, 0.0, WEIGHT_ONE)
+    assert sampler_constants(Sampling.saturate(0.0)) == (True, 0.0, 0, WEIGHT_ONE)
     assert sampler_constants(Sampling(1e-300, 0, 1.0, 0))[0]  # rounds to 0 as a float32
-    greedy, inverse, p_fixed = sampler_constants(Sampling.saturate(1e-40, top_p=1e-9))
+    greedy, inverse, _, p_fixed = sampler_constants(Sampling.saturate(1e-40, top_p=1e-9))
     assert not greedy and inverse == 3.4028234663852886e38 and p_fixed == 16  # largest float32; 1e-6
-    assert sampler_constants(Sampling.saturate(2.0, top_p=0.5)) == (False, 0.5, WEIGHT_ONE // 2)
+    assert sampler_constants(Sampling.saturate(2.0, 7, top_p=0.5)) == (False, 0.5, 7, WEIGHT_ONE // 2)
+    # Unsaturated values still mean one thing on both sides: NaN temperature is greedy, NaN
+    # top_p is off, a negative top_k is off.
+    assert sampler_constants(Sampling(float("nan"), 0, 1.0, 0))[0]
+    assert sampler_constants(Sampling(1.0, -3, float("nan"), 0)) == (False, 1.0, 0, WEIGHT_ONE)
