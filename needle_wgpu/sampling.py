@@ -16,6 +16,17 @@ MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
 WEIGHT_ONE = 1 << 24  # the sampler's fixed point: weights, top_p and the draw are multiples of 2^-24
 F32_MAX = 3.4028234663852886e38
+MAX_INVERSE_TEMPERATURE = 2.0 ** 100  # see sampler_constants
+
+# The sampler's exp, in integers only so that every GPU and NumPy agree bit for bit
+# (reference/sampling.py: fixed_exp; the kernels get these as pipeline constants).
+EXP_CUT = 17  # e^-17 · 2^24 < 1: a weight below it is 0
+LOG2E_Q30 = 1549082005  # round(log2(e) · 2^30)
+LN2_Q31 = 1488522236  # round(ln(2) · 2^31)
+EXP_C3, EXP_C4 = 357913941, 89478485  # round(2^31 / 6), round(2^31 / 24)
+EXP2_SIXTEENTHS = (  # round(2^31 · 2^(-a/16)), a = 0 … 15
+    2147483648, 2056437387, 1969251188, 1885761398, 1805811301, 1729250827, 1655936265, 1585730000,
+    1518500250, 1454120821, 1392470869, 1333434672, 1276901417, 1222764986, 1170923762, 1121280436)
 
 
 def _number(value, default: float) -> float:
@@ -75,21 +86,29 @@ def f32(value: float) -> float:
 
 def sampler_constants(s: Sampling) -> tuple:
     """What the GPU sampler and its reference compute with, derived once on the host (pure Python):
-    (greedy, inverse temperature as float32, top_k, top_p as a multiple of 2^-24).
+    (greedy, weight scale, top_k, top_p as a multiple of 2^-24).
 
-    greedy: the float32 temperature is not > 0, top_k == 1 or top_p <= 0. The weights use
-    (l - max) · f32(1 / f32(temperature)), clamped to the largest float32 (a float32 multiply is
-    exact on every GPU, a division is not). top_k: clamped to [0, 2^32 - 1]. top_p:
-    floor(f32(top_p) · 2^24); 2^24 = off (also for NaN). Saturated settings need none of the
-    clamps; they keep the GPU and the reference in step for any ``Sampling``.
+    greedy: the float32 temperature is not > 0, top_k == 1 or top_p <= 0. The weight scale is
+    2^24 · f32(min(1 / f32(temperature), 2^100)), a float32: the kernels multiply by it (a
+    float32 multiply is exact on every GPU, a division is not; the bound keeps subnormal logits,
+    which a GPU may flush to zero, from moving a weight). top_k: clamped to [0, 2^32 - 1].
+    top_p: floor(f32(top_p) · 2^24); 2^24 = off (also for NaN). Saturated settings need none of
+    the clamps; they keep the GPU and the reference in step for any ``Sampling``.
     """
     temperature = f32(float(s.temperature))
     top_p = f32(float(s.top_p))
     top_k = max(0, min(int(s.top_k), U32_MAX))
     greedy = not temperature > 0.0 or top_k == 1 or top_p <= 0.0
-    inverse = 0.0 if greedy else f32(min(1.0 / temperature, F32_MAX))
+    scale = 0.0 if greedy else f32(min(1.0 / temperature, MAX_INVERSE_TEMPERATURE)) * WEIGHT_ONE
     p_fixed = int(math.floor(top_p * WEIGHT_ONE)) if top_p < 1.0 and not greedy else WEIGHT_ONE
-    return greedy, inverse, top_k, p_fixed
+    return greedy, scale, top_k, p_fixed
+
+
+def exp_consts() -> tuple:
+    """The integer exp's constants as (NAME, value) pairs for a kernel's ``KernelKey``."""
+    table = tuple((f"EXP2_{a}", v) for a, v in enumerate(EXP2_SIXTEENTHS))
+    return (("EXP_CUT", EXP_CUT), ("LOG2E_Q30", LOG2E_Q30), ("LN2_Q31", LN2_Q31), ("EXP_C3", EXP_C3),
+            ("EXP_C4", EXP_C4)) + table
 
 
 def as_u32(value) -> tuple:

@@ -21,7 +21,7 @@ struct Params {
   logits_offset: u32,   // float offset of the logits row of the chunk's last position
   positions: u32,       // T: the row is position pos0 + T - 1
   context: u32,         // tokens holds [context] ids
-  inverse_temperature: f32,
+  weight_scale: f32,    // 2^24 / temperature (needle_wgpu.sampling.sampler_constants)
   top_k: u32,           // 0 = all
   top_p: u32,           // in 2^-24; 2^24 = off
   seed: u32,
@@ -120,7 +120,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
   if (params.greedy != 0u || max_key == NEG_INF_KEY || max_key == POS_INF_KEY) {
     flags |= FLAG_GREEDY;
   } else {
-    let top = key_value(max_key);
+    let top = weight_value(max_key);
 
     // Top-k threshold; K >= rows keeps every real logit (padding has key 0).
     var theta_k = 1u;
@@ -153,14 +153,14 @@ fn main(@builtin(local_invocation_index) lid: u32) {
       }
       var weight = 0u;
       if (candidate) {
-        weight = weight_of(k, top, params.inverse_temperature);
+        weight = weight_of(k, top, params.weight_scale);
       }
       w[e] = weight;
       own += weight;
     }
 
     var theta_p = 0u;
-    if (params.top_p < 16777216u) {
+    if (params.top_p < WEIGHT_ONE) {
       let total = block_sum64(lid, vec2<u32>(own, 0u));
       theta_p = top_p_threshold(lid, &keys, &w, nucleus_target(total, params.top_p));
     }

@@ -5,8 +5,7 @@
 const NONE: u32 = 0xFFFFFFFFu;
 const NEG_INF_KEY: u32 = 0x007FFFFFu;  // order_key(-inf) and of NaN; 0 marks padding past `rows`
 const POS_INF_KEY: u32 = 0xFF800000u;
-const WEIGHT_ONE: f32 = 16777216.0;    // weights are multiples of 2^-24 of the largest one
-const WEIGHT_CUT: f32 = -17.0;         // exp(x) · 2^24 < 1 below it
+const WEIGHT_ONE: u32 = 16777216u;     // weights are multiples of 2^-24 of the largest one
 const FLAG_WRITTEN: u32 = 1u;
 const FLAG_GREEDY: u32 = 2u;
 const FLAG_NO_FINITE: u32 = 4u;
@@ -24,14 +23,47 @@ fn key_value(k: u32) -> f32 {
   return bitcast<f32>(select(~k, k & 0x7FFFFFFFu, (k & 0x80000000u) != 0u));
 }
 
-// floor(exp((l - top) · inverse_temperature) · 2^24); a subtract and a multiply are exact in WGSL.
-fn weight_of(key: u32, top: f32, inverse_temperature: f32) -> u32 {
+// The value a weight uses: subnormals read as 0, as a GPU may flush them anyway.
+fn weight_value(key: u32) -> f32 {
+  let v = key_value(key);
+  return select(v, 0.0, (bitcast<u32>(v) & 0x7F800000u) == 0u);
+}
+
+// (a · b) >> 31 for Q31 products.
+fn mulq(a: u32, b: u32) -> u32 {
+  let p = mul32(a, b);
+  return (p.y << 1u) | (p.x >> 31u);
+}
+
+// 2^24 · e^(-z / 2^24) within one unit, for 0 <= z <= 17 · 2^24, in integers only (the
+// reference's fixed_exp): t = z · log2(e); 2^-t = 2^-floor(t) · 2^-a/16 (table) · e^-s, s < ln2/16
+// by four Taylor terms, in Q31. Constants (pipeline constants from needle_wgpu/sampling.py):
+// LOG2E_Q30, LN2_Q31, EXP_C3, EXP_C4, EXP2_0 … EXP2_15, EXP_CUT.
+var<private> exp2_sixteenths: array<u32, 16> = array<u32, 16>(
+  EXP2_0, EXP2_1, EXP2_2, EXP2_3, EXP2_4, EXP2_5, EXP2_6, EXP2_7,
+  EXP2_8, EXP2_9, EXP2_10, EXP2_11, EXP2_12, EXP2_13, EXP2_14, EXP2_15);
+
+fn fixed_exp(z: u32) -> u32 {
+  let tz = mul32(z, LOG2E_Q30);
+  let t = (tz.y << 2u) | (tz.x >> 30u);
+  let sb = mul32(t & 0xFFFFFu, LN2_Q31);
+  let s = (sb.y << 8u) | (sb.x >> 24u);
+  let h3 = EXP_C3 - mulq(s, EXP_C4);
+  let h2 = 0x40000000u - mulq(s, h3);
+  let h1 = 0x80000000u - mulq(s, h2);
+  let p = 0x80000000u - mulq(s, h1);
+  return mulq(exp2_sixteenths[(t >> 20u) & 15u], p) >> (7u + (t >> 24u));
+}
+
+// A candidate's weight: (l - max) · scale is x · 2^24 (scale = 2^24 / T), one exact float32
+// subtract and multiply; then fixed_exp. `top` = weight_value(max key).
+fn weight_of(key: u32, top: f32, scale: f32) -> u32 {
   if (key == NEG_INF_KEY) {
     return 0u;
   }
-  let x = (key_value(key) - top) * inverse_temperature;
-  if (x >= WEIGHT_CUT) {
-    return u32(exp(x) * WEIGHT_ONE);
+  let x = (weight_value(key) - top) * scale;
+  if (x >= -f32(EXP_CUT * 16777216u)) {
+    return fixed_exp(u32(-x));
   }
   return 0u;
 }

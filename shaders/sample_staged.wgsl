@@ -27,7 +27,7 @@ struct Params {
   logits_offset: u32,   // float offset of the logits row of the chunk's last position
   positions: u32,       // T: the row is position pos0 + T - 1
   context: u32,         // tokens holds [context] ids
-  inverse_temperature: f32,
+  weight_scale: f32,    // 2^24 / temperature (needle_wgpu.sampling.sampler_constants)
   top_k: u32,           // 0 = all
   top_p: u32,           // in 2^-24; 2^24 = off
   seed: u32,
@@ -51,7 +51,6 @@ struct Params {
 
 const THREADS: u32 = 256u;
 const SLICE: u32 = THREADS * ITEMS;
-const WEIGHT_OFF: u32 = 16777216u;
 
 // `state` words (kernels/sample.py: STATE_WORDS): histograms of 256 u64 bins (cleared by
 // reduce), the outcome of each radix step, then 8 words per slice.
@@ -121,7 +120,7 @@ fn uses_top_k() -> bool {
 }
 
 fn uses_top_p() -> bool {
-  return params.top_p < WEIGHT_OFF;
+  return params.top_p < WEIGHT_ONE;
 }
 
 fn is_first(g: u32, lid: u32) -> bool {
@@ -252,7 +251,7 @@ fn weigh(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: 
   if (greedy) {
     return;
   }
-  let top = key_value(max_key);
+  let top = weight_value(max_key);
 
   // Candidates: key > θ_k, or key == θ_k among the first `ties_needed` ties in index order.
   var theta_k = 1u;  // top-k off: every real logit (keys of real logits are >= NEG_INF_KEY)
@@ -293,7 +292,7 @@ fn weigh(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: 
       }
       var w = 0u;
       if (candidate) {
-        w = weight_of(k, top, params.inverse_temperature);
+        w = weight_of(k, top, params.weight_scale);
       }
       weights[i] = w;
       own += w;

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from ..gpu.device import Buffer, Device, KernelKey, Plan, UniformArena
-from ..sampling import U32_MAX, WEIGHT_ONE, Sampling, sampler_constants
+from ..sampling import U32_MAX, WEIGHT_ONE, Sampling, exp_consts, sampler_constants
 
 THREADS = 256
 MAX_ITEMS = 64  # one workgroup: logits per invocation held in registers, so rows <= 16384
@@ -102,11 +102,11 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     limit = ONE_WORKGROUP_ROWS if variant == ONE_WORKGROUP else MAX_ROWS
     if not 0 < rows <= limit:
         raise UnsupportedModelError(f"sampler: {rows} logits (the {variant} sampler takes 1 to {limit})")
-    greedy, inverse, top_k, p_fixed = sampler_constants(sampling)
-    words = (rows, logits_offset, positions, context, inverse, top_k, p_fixed, int(sampling.seed) & U32_MAX,
+    greedy, scale, top_k, p_fixed = sampler_constants(sampling)
+    words = (rows, logits_offset, positions, context, scale, top_k, p_fixed, int(sampling.seed) & U32_MAX,
              int(greedy))
     if variant == ONE_WORKGROUP:
-        key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)),))
+        key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)),) + exp_consts())
         plan.add(key, [arena.add(*words), step, logits, tokens, result], (1,), label="sample")
         return
     _staged(plan, arena, step, logits, tokens, result, words, scratch or shared_scratch(plan.device, rows),
@@ -129,7 +129,7 @@ def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_to
     bindings = [None, logits, scratch.state, scratch.weights, step, tokens, result]
 
     def add(entry, digit=0, groups=groups):
-        key = KernelKey("sample_staged", entry=entry, consts=(("ITEMS", STAGED_ITEMS),))
+        key = KernelKey("sample_staged", entry=entry, consts=(("ITEMS", STAGED_ITEMS),) + exp_consts())
         bindings[0] = params[digit]
         plan.add(key, bindings[: _BINDINGS_USED[entry]], (groups,), label=f"sample.{entry}")
 

@@ -8,19 +8,20 @@ token being drawn.
 
 Weights are integers (multiples of 2^-24 of the largest one), so every sum is exact and the
 same in any order: a GPU may split the vocabulary over as many workgroups as it likes. The
-float work is one subtract, one multiply and one ``exp`` per logit; the two sides agree id for
-id except where ``exp`` differs by an ulp right at a boundary of the draw or of the nucleus.
-The host-side constants (greedy, 1/temperature, top_p in 2^-24) come from
-``needle_wgpu.sampling.sampler_constants``.
+float work is one subtract and one multiply per logit, both exactly rounded in WGSL; the
+exponential is computed in integers (``fixed_exp``). So GPU and reference agree bit for bit on
+every weight and id for id on every draw. The host-side constants (greedy, the weight scale,
+top_p in 2^-24) come from ``needle_wgpu.sampling.sampler_constants``.
 
 1. Keys: an order-preserving u32 of each logit's bits; NaN counts as -inf.
 2. Greedy when the temperature (as float32) is not > 0, top_k == 1, top_p <= 0, no logit
    is finite, or a logit is +inf: the largest logit, lowest index on ties (0 when every logit is
    -inf or NaN).
 3. Candidates: the K = top_k (0: all) largest logits, ties broken by lowest index.
-4. Weights on candidates: x = (l_i - max) · f32(1/temperature) in float32;
-   w_i = floor(exp(x) · 2^24) when x >= -17, else 0 (exp(-17) · 2^24 < 1, so the cut only spares
-   the exp); -inf, NaN and non-candidates weigh 0. The largest logit weighs exactly 2^24.
+4. Weights on candidates: with subnormal logits read as 0, x·2^24 = (l_i - max) · scale in
+   float32 (scale = 2^24 · f32(1/temperature)); w_i = fixed_exp(trunc(-x·2^24)), within one
+   unit of e^x · 2^24, when x >= -17, else 0; -inf, NaN and non-candidates weigh 0. The
+   largest logit weighs exactly 2^24.
 5. Nucleus (top_p < 1, p = floor(top_p · 2^24)): target = max(1, ceil(p · Σw / 2^24));
    θ = the largest key with Σ_{key >= θ} w >= target; candidates with key >= θ are kept (every
    tie at θ is kept). Without top_p, θ = 0 (every candidate).
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import WEIGHT_ONE, Sampling, sampler_constants
+from ..sampling import (EXP2_SIXTEENTHS, EXP_C3, EXP_C4, EXP_CUT, LN2_Q31, LOG2E_Q30, WEIGHT_ONE, Sampling,
+                        sampler_constants)
 from .ops import F32
 
 NEG_INF_KEY = 0x007FFFFF
 POS_INF_KEY = 0xFF800000
 U32 = 0xFFFFFFFF
-WEIGHT_CUT = F32(-17.0)  # exp(x) · 2^24 < 1 below it
+U64 = np.uint64
 
 
 def pcg_hash(x: int) -> int:
@@ -73,12 +75,42 @@ def key_values(keys: np.ndarray) -> np.ndarray:
     return bits.view(F32)
 
 
-def weights(keys: np.ndarray, top: np.float32, inverse_temperature: float) -> np.ndarray:
+def _mulq(a, b):
+    """(a · b) >> 31 for u32 a, b (Q31 products)."""
+    return (a * b) >> U64(31)
+
+
+def fixed_exp(z: np.ndarray) -> np.ndarray:
+    """floor-ish(2^24 · e^(-z / 2^24)) for integers 0 <= z <= 17 · 2^24, in integer arithmetic
+    only (the kernels' ``fixed_exp`` step for step): t = z · log2(e) in 2^-24 units; 2^-t is
+    2^-floor(t) (a shift) · 2^-a/16 (a table) · e^(-s) (s < ln2/16: four Taylor terms), in Q31."""
+    z = np.asarray(z, U64)
+    t = (z * U64(LOG2E_Q30)) >> U64(30)
+    n = t >> U64(24)
+    s = ((t & U64(0xFFFFF)) * U64(LN2_Q31)) >> U64(24)
+    h3 = U64(EXP_C3) - _mulq(s, U64(EXP_C4))
+    h2 = U64(1 << 30) - _mulq(s, h3)
+    h1 = U64(1 << 31) - _mulq(s, h2)
+    p = U64(1 << 31) - _mulq(s, h1)
+    table = np.array(EXP2_SIXTEENTHS, U64)[((t >> U64(20)) & U64(15)).astype(np.intp)]
+    return _mulq(table, p) >> (U64(7) + n)
+
+
+def weight_values(keys: np.ndarray) -> np.ndarray:
+    """The logits the weights use: key values with subnormals read as 0 (a GPU may flush them)."""
+    values = key_values(keys)
+    subnormal = (values.view(np.uint32) & 0x7F800000) == 0
+    return np.where(subnormal, F32(0), values).astype(F32)
+
+
+def weights(keys: np.ndarray, top_key: int, scale: float) -> np.ndarray:
     """Step 4 for the given keys (all candidates): u64 multiples of 2^-24 (NaN's key is -inf's)."""
+    top = weight_values(np.array([top_key], np.uint32))[0]
     with np.errstate(invalid="ignore", over="ignore"):
-        x = (key_values(keys) - F32(top)) * F32(inverse_temperature)
-        w = np.exp(np.maximum(x, WEIGHT_CUT)) * F32(WEIGHT_ONE)
-    return np.where(x >= WEIGHT_CUT, w, F32(0)).astype(np.uint64)
+        x = (weight_values(keys) - top) * F32(scale)  # x · 2^24, float32
+        inside = x >= F32(-EXP_CUT * WEIGHT_ONE)
+        z = np.where(inside, -x, F32(0)).astype(U64)  # truncation, as u32(f32) on the GPU
+    return np.where(inside, fixed_exp(z), U64(0)).astype(U64)
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -97,17 +129,16 @@ def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, posi
     rows = len(logits)
     keys = order_keys(logits)
     max_key = int(keys.max())
-    settings_greedy, inverse, top_k, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
+    settings_greedy, scale, top_k, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
     if settings_greedy or max_key in (NEG_INF_KEY, POS_INF_KEY):
         return greedy(logits)
-    top = key_values(np.array([max_key], np.uint32))[0]
 
     # Steps 3 and 4: the K largest, ties by lowest index (a stable sort on the key).
     count = rows if top_k == 0 else min(top_k, rows)
     by_key = np.argsort(-keys.astype(np.int64), kind="stable")
     candidates = by_key[:count]
     w = np.zeros(rows, np.uint64)
-    w[candidates] = weights(keys[candidates], top, inverse)
+    w[candidates] = weights(keys[candidates], max_key, scale)
 
     # Step 5: walk the positive weights from the largest key down; all ties at θ stay.
     theta = 0

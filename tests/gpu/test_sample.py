@@ -5,6 +5,7 @@ both apply; the large vocabularies (49,152 SmolLM2, 262,144 Gemma 3) run a few c
 """
 
 import struct
+from decimal import ROUND_HALF_EVEN, Decimal, getcontext
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.gpu import Plan, UniformArena
 from needle_wgpu.kernels import sample as sample_ops
 from needle_wgpu.kernels.sample import ONE_WORKGROUP, STAGED, SampleResult
+from needle_wgpu import sampling
 from needle_wgpu.reference import sampling as ref
 from needle_wgpu.sampling import WEIGHT_ONE, Sampling, sampler_constants
 
@@ -245,6 +247,31 @@ def test_sums_above_32_bits(sampler):
     assert_matches(sampler, x[:16384], Sampling.saturate(1.0, top_p=0.5, seed=6), ONE_WORKGROUP)
 
 
+def test_weights_equal_the_reference_bit_for_bit(sampler, device):
+    """The staged sampler's weights buffer against step 4 of the reference, for every logit:
+    spread, near-flat and subnormal logits, -inf and NaN, over the temperature range."""
+    rows = 40000
+    rng = np.random.default_rng(21)
+    spread = rng.normal(scale=3.0, size=rows).astype(F32)
+    flat = (rng.random(rows) * 1e-3).astype(F32)
+    tiny = (rng.normal(size=rows) * 1e-38).astype(F32)  # mostly subnormal
+    for x in (spread, flat, tiny):
+        x[rng.random(rows) < 0.02] = -np.inf
+        x[rng.random(rows) < 0.02] = np.nan
+        sampler.load(x)
+        scratch = sample_ops.shared_scratch(device, rows)
+        keys = ref.order_keys(x)
+        for temperature in (0.01, 1e-35, 0.7, 3.0, 100.0):
+            s = Sampling.saturate(temperature, seed=1)
+            got = sampler.draw(s, STAGED)
+            _, scale, _, _ = sampler_constants(s)
+            weights = np.frombuffer(device.read(scratch.weights, 4 * rows), np.uint32)
+            want = ref.weights(keys, int(keys.max()), scale)
+            assert np.array_equal(weights, want), temperature
+            assert got.id == reference_id(x, s, 11)
+        assert (want > 0).sum() > rows // 2  # at T = 100 (the last), most logits weigh something
+
+
 def test_last_row_and_context_end(sampler):
     rows = 512
     x = np.stack([logits_of(rows, 1), logits_of(rows, 2), logits_of(rows, 3)])
@@ -300,8 +327,8 @@ def test_every_pass_in_the_plan_gives_the_same_ids(sampler, device):
     scratch = sample_ops.shared_scratch(device, 20000)
     for s in settings_for(20000)[:4]:
         s = with_seed(s, 17)
-        greedy, inverse, top_k, p_fixed = sampler_constants(s)
-        words = (20000, 0, 1, CONTEXT, inverse, top_k, p_fixed, s.seed, int(greedy))
+        greedy, scale, top_k, p_fixed = sampler_constants(s)
+        words = (20000, 0, 1, CONTEXT, scale, top_k, p_fixed, s.seed, int(greedy))
         sampler.arena.used = 0
         plan = Plan(device, "all passes")
         sample_ops._staged(plan, sampler.arena, sampler.step, sampler.logits, sampler.tokens, sampler.result,
@@ -379,16 +406,17 @@ def test_reference_follows_its_definition_literally():
 
 
 def literal_sample(x, t, k, p, seed, position):
-    greedy, inverse, _, p_fixed = sampler_constants(Sampling(t, k, p, seed))
+    greedy, scale, _, p_fixed = sampler_constants(Sampling(t, k, p, seed))
     if greedy or not np.isfinite(x).any() or np.isposinf(x).any():
         return int(np.argmax(np.where(np.isnan(x), -np.inf, x)))
     top = F32(np.nanmax(x))
     order = sorted(range(len(x)), key=lambda i: (-x[i], i))  # by logit, ties by index
     candidates = set(order[: (k or len(x))])
-    with np.errstate(invalid="ignore"):
-        d = (x - top) * F32(inverse)
-        e = np.exp(d) * F32(WEIGHT_ONE)  # the array exp, as the reference calls it
-    w = {i: int(e[i]) if i in candidates and d[i] >= -17 else 0 for i in range(len(x))}
+    w = {}
+    for i in range(len(x)):
+        x24 = (x[i] - top) * F32(scale)  # no subnormal logits here
+        inside = i in candidates and x24 >= -17 * WEIGHT_ONE
+        w[i] = int(ref.fixed_exp(np.array([int(-x24)]))[0]) if inside else 0
     theta = -np.inf
     if p_fixed < WEIGHT_ONE:
         target = max(1, -(-(p_fixed * sum(w.values())) // WEIGHT_ONE))
@@ -415,10 +443,27 @@ def test_reference_rng_is_position_keyed():
 def test_sampler_constants():
     assert sampler_constants(Sampling.saturate(0.0)) == (True, 0.0, 0, WEIGHT_ONE)
     assert sampler_constants(Sampling(1e-300, 0, 1.0, 0))[0]  # rounds to 0 as a float32
-    greedy, inverse, _, p_fixed = sampler_constants(Sampling.saturate(1e-40, top_p=1e-9))
-    assert not greedy and inverse == 3.4028234663852886e38 and p_fixed == 16  # largest float32; 1e-6
-    assert sampler_constants(Sampling.saturate(2.0, 7, top_p=0.5)) == (False, 0.5, 7, WEIGHT_ONE // 2)
+    greedy, scale, _, p_fixed = sampler_constants(Sampling.saturate(1e-40, top_p=1e-9))
+    assert not greedy and scale == 2.0 ** 124 and p_fixed == 16  # 1/T capped at 2^100; top_p 1e-6
+    assert sampler_constants(Sampling.saturate(2.0, 7, top_p=0.5)) == (False, 2.0 ** 23, 7, WEIGHT_ONE // 2)
     # Unsaturated values still mean one thing on both sides: NaN temperature is greedy, NaN
     # top_p is off, a negative top_k is off.
     assert sampler_constants(Sampling(float("nan"), 0, 1.0, 0))[0]
-    assert sampler_constants(Sampling(1.0, -3, float("nan"), 0)) == (False, 1.0, 0, WEIGHT_ONE)
+    assert sampler_constants(Sampling(1.0, -3, float("nan"), 0)) == (False, 2.0 ** 24, 0, WEIGHT_ONE)
+
+
+def test_fixed_exp_is_within_one_unit_of_exp():
+    z = np.concatenate([np.arange(0, 4096), np.arange(0, 17 * WEIGHT_ONE + 1, 997)]).astype(np.uint64)
+    got = ref.fixed_exp(z).astype(np.int64)
+    want = np.exp(-z.astype(np.float64) / WEIGHT_ONE) * WEIGHT_ONE
+    assert np.abs(got - want).max() < 1.0
+    assert got[0] == WEIGHT_ONE and (np.diff(got[:4096]) <= 0).all()
+
+
+def test_exp_constants_are_the_rounded_values():
+    getcontext().prec = 60
+    ln2 = Decimal(2).ln()
+    near = lambda d: int(d.to_integral_value(rounding=ROUND_HALF_EVEN))  # noqa: E731
+    assert sampling.LOG2E_Q30 == near(2 ** 30 / ln2) and sampling.LN2_Q31 == near(ln2 * 2 ** 31)
+    assert (sampling.EXP_C3, sampling.EXP_C4) == (near(Decimal(2 ** 31) / 6), near(Decimal(2 ** 31) / 24))
+    assert sampling.EXP2_SIXTEENTHS == tuple(near(2 ** 31 * (-(Decimal(a) / 16) * ln2).exp()) for a in range(16))
