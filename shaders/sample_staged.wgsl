@@ -52,7 +52,7 @@ struct Params {
 const THREADS: u32 = 256u;
 const SLICE: u32 = THREADS * ITEMS;
 
-// `state` words (kernels/sample.py: STATE_WORDS): histograms of 256 u64 bins (cleared by
+// `state` words (kernels/sample.py: STATE_SLICES_AT): histograms of 256 u64 bins (cleared by
 // reduce), the outcome of each radix step, then 8 words per slice.
 const HIST_K: u32 = 0u;      // 4 × 512: counts, digit j
 const HIST_P: u32 = 2048u;   // 4 × 512: weight sums, digit j
