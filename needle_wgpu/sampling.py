@@ -7,6 +7,7 @@ negative values and absurd sizes all have one documented meaning.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, replace
 
 from .inputs import checked, real_number, whole_number
@@ -14,6 +15,19 @@ from .inputs import checked, real_number, whole_number
 U32_MAX = 0xFFFFFFFF
 MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
+WEIGHT_ONE = 1 << 24  # the sampler's fixed point: weights, top_p and the draw are multiples of 2^-24
+F32_MAX = 3.4028234663852886e38
+MAX_INVERSE_TEMPERATURE = 2.0 ** 100  # see sampler_constants
+
+# The sampler's exp, in integers only so that every GPU and NumPy agree bit for bit
+# (reference/sampling.py: fixed_exp; the kernels get these as pipeline constants).
+EXP_CUT = 17  # e^-17 · 2^24 < 1: a weight below it is 0
+LOG2E_Q30 = 1549082005  # round(log2(e) · 2^30)
+LN2_Q31 = 1488522236  # round(ln(2) · 2^31)
+EXP_C3, EXP_C4 = 357913941, 89478485  # round(2^31 / 6), round(2^31 / 24)
+EXP2_SIXTEENTHS = (  # round(2^31 · 2^(-a/16)), a = 0 … 15
+    2147483648, 2056437387, 1969251188, 1885761398, 1805811301, 1729250827, 1655936265, 1585730000,
+    1518500250, 1454120821, 1392470869, 1333434672, 1276901417, 1222764986, 1170923762, 1121280436)
 
 
 def _number(value, default: float) -> float:
@@ -69,6 +83,41 @@ def saturate_seed(seed) -> int:
         number = _number(seed, 0.0)
         whole = int(number) if math.isfinite(number) else 0
     return whole & U32_MAX
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (±inf past the float32 range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # beyond the largest float32 by more than half an ulp
+        return math.copysign(math.inf, value)
+
+
+def sampler_constants(s: Sampling) -> tuple:
+    """What the GPU sampler and its reference compute with, derived once on the host (pure Python):
+    (greedy, weight scale, top_k, top_p as a multiple of 2^-24).
+
+    greedy: the float32 temperature is not > 0, top_k == 1 or top_p <= 0. The weight scale is
+    2^24 · f32(min(1 / f32(temperature), 2^100)), a float32: the kernels multiply by it (a
+    float32 multiply is exact on every GPU, a division is not; the bound keeps subnormal logits,
+    which a GPU may flush to zero, from moving a weight). top_k: clamped to [0, 2^32 - 1].
+    top_p: floor(f32(top_p) · 2^24); 2^24 = off (also for NaN). Saturated settings need none of
+    the clamps; they keep the GPU and the reference in step for any ``Sampling``.
+    """
+    temperature = f32(float(s.temperature))
+    top_p = f32(float(s.top_p))
+    top_k = max(0, min(int(s.top_k), U32_MAX))
+    greedy = not temperature > 0.0 or top_k == 1 or top_p <= 0.0
+    scale = 0.0 if greedy else f32(min(1.0 / temperature, MAX_INVERSE_TEMPERATURE)) * WEIGHT_ONE
+    p_fixed = int(math.floor(top_p * WEIGHT_ONE)) if top_p < 1.0 and not greedy else WEIGHT_ONE
+    return greedy, scale, top_k, p_fixed
+
+
+def exp_consts() -> tuple:
+    """The integer exp's constants as (NAME, value) pairs for a kernel's ``KernelKey``."""
+    table = tuple((f"EXP2_{a}", v) for a, v in enumerate(EXP2_SIXTEENTHS))
+    return (("EXP_CUT", EXP_CUT), ("LOG2E_Q30", LOG2E_Q30), ("LN2_Q31", LN2_Q31), ("EXP_C3", EXP_C3),
+            ("EXP_C4", EXP_C4)) + table
 
 
 def as_u32(value) -> tuple:

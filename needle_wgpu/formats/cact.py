@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
-from ..inputs import byte_view, checked
+from ..inputs import checked
 from .geometry import Needle3Geometry
 from .source import read_source
 

@@ -1,22 +1,37 @@
 """Next-token sampling on the GPU (spec §9): the decode step's only readback is 16 bytes.
 
 The algorithm (greedy, top-k, top-p, a counter-based RNG) is defined by
-``needle_wgpu.reference.sampling.sample``, which the kernel mirrors id for id.
+``needle_wgpu.reference.sampling.sample``; both kernels follow it id for id. Two variants:
+``ONE_WORKGROUP`` (``sample.wgsl``, one dispatch, rows <= 16,384) and ``STAGED``
+(``sample_staged.wgsl``, several passes of the same plan, any rows up to 2^24).
 """
 
 from __future__ import annotations
 
 import struct
+import weakref
 from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
-from ..gpu.device import KernelKey, Plan, UniformArena
-from ..sampling import Sampling
+from ..gpu.device import Buffer, Device, KernelKey, Plan, UniformArena
+from ..sampling import U32_MAX, WEIGHT_ONE, Sampling, exp_consts, sampler_constants
 
 THREADS = 256
-MAX_ITEMS = 64  # logits per invocation held in registers: rows <= 16384
+MAX_ITEMS = 64  # one workgroup: logits per invocation held in registers, so rows <= 16384
+ONE_WORKGROUP_ROWS = THREADS * MAX_ITEMS
+STAGED_ITEMS = 64  # staged: slices of 16,384 logits (few and long: CPU adapters pay per barrier)
+SLICE = THREADS * STAGED_ITEMS
+MAX_ROWS = 1 << 24
+STATE_SLICES_AT = 4128  # sample_staged.wgsl: SLICES; then 8 words per slice
 RESULT_BYTES = 16
 FLAG_WRITTEN, FLAG_GREEDY, FLAG_NO_FINITE = 1, 2, 4
+
+ONE_WORKGROUP, STAGED = "one_workgroup", "staged"
+
+
+def variant_for(rows: int) -> str:
+    """The faster variant for a vocabulary: one workgroup while it fits (one dispatch)."""
+    return ONE_WORKGROUP if rows <= ONE_WORKGROUP_ROWS else STAGED
 
 
 @dataclass(frozen=True)
@@ -39,27 +54,100 @@ class SampleResult:
 
 
 def check(rows: int) -> None:
-    """The sampler holds every logit in registers: at most THREADS · MAX_ITEMS rows (called at load)."""
-    if not 0 < -(-rows // THREADS) <= MAX_ITEMS:
-        raise UnsupportedModelError(f"sampler: {rows} logits (at most {THREADS * MAX_ITEMS})")
+    """Whether a head of ``rows`` logits can be sampled (called at load)."""
+    if not 0 < rows <= MAX_ROWS:
+        raise UnsupportedModelError(f"sampler: {rows} logits (at most {MAX_ROWS})")
+
+
+class SampleScratch:
+    """The staged sampler's working memory for up to ``rows`` logits: ``state`` (histograms, the
+    outcome of each radix step, 8 words per slice) and ``weights`` (one u32 per logit).
+
+    Every run rewrites what it reads, so plans (of any session) on one device may share one.
+    """
+
+    def __init__(self, device: Device, rows: int):
+        self.rows = rows
+        groups = -(-rows // SLICE)
+        self.state: Buffer = device.buffer(4 * (STATE_SLICES_AT + 8 * groups), label="sample_state")
+        self.weights: Buffer = device.buffer(4 * rows, label="sample_weights")
+
+
+_shared_scratch: "weakref.WeakKeyDictionary[Device, SampleScratch]" = weakref.WeakKeyDictionary()
+
+
+def shared_scratch(device: Device, rows: int) -> SampleScratch:
+    """The device's scratch, replaced by a larger one when ``rows`` needs it (plans built
+    earlier keep the one they were built with)."""
+    scratch = _shared_scratch.get(device)
+    if scratch is None or scratch.rows < rows:
+        scratch = SampleScratch(device, rows)
+        _shared_scratch[device] = scratch
+    return scratch
 
 
 def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int, rows: int, tokens, result,
-           context: int, positions: int, sampling: Sampling) -> None:
+           context: int, positions: int, sampling: Sampling, variant: str | None = None,
+           scratch: SampleScratch | None = None) -> None:
     """Pick the next id from logits[logits_offset : logits_offset + rows] (the chunk's last row).
 
     The row is position p = pos0 + T - 1; the id goes into tokens[p + 1] when p + 1 < context,
     and ``result`` (16 bytes, ``SampleResult.parse``) gets [id, flags, p + 1, logit bits].
     ``sampling`` (already saturated) is baked into the plan's parameters; the random draw
     depends only on (seed, p + 1), so replaying a step gives the same id.
-    Bindings (``sample.wgsl``): 0 params, 1 ``step`` (uniform Step), 2 ``logits`` f32,
-    3 ``tokens`` u32 [context] (read_write), 4 ``result`` u32 [4]. Workgroups: (1,), 256
-    invocations. Constant: ITEMS = ceil(rows / 256) (at most 64, so rows <= 16384).
+
+    ``variant``: ``ONE_WORKGROUP`` or ``STAGED`` (default ``variant_for(rows)``). ``scratch``
+    (staged only): default ``shared_scratch(plan.device, rows)``, allocated once per device.
+    Bindings: ``sample.wgsl`` 0 params, 1 ``step`` (uniform Step), 2 ``logits`` f32, 3 ``tokens``
+    u32 [context] (read_write), 4 ``result`` u32 [4], one workgroup, ITEMS = ceil(rows / 256);
+    ``sample_staged.wgsl`` 0 params, 1 ``logits``, 2 ``state``, 3 ``weights`` (the passes after
+    the top-k ones), 4 ``step``, 5 ``tokens``, 6 ``result`` (draw only); ceil(rows / 16384)
+    workgroups per pass, one for the draw.
     """
-    check(rows)
-    items = -(-rows // THREADS)
-    top_k = max(0, min(int(sampling.top_k), 0xFFFFFFFF))
-    params = arena.add(rows, logits_offset, positions, context, float(sampling.temperature), top_k,
-                       float(sampling.top_p), int(sampling.seed) & 0xFFFFFFFF)
-    key = KernelKey("sample", consts=(("ITEMS", items),))
-    plan.add(key, [params, step, logits, tokens, result], (1,), label="sample")
+    variant = variant or variant_for(rows)
+    limit = ONE_WORKGROUP_ROWS if variant == ONE_WORKGROUP else MAX_ROWS
+    if not 0 < rows <= limit:
+        raise UnsupportedModelError(f"sampler: {rows} logits (the {variant} sampler takes 1 to {limit})")
+    greedy, scale, top_k, p_fixed = sampler_constants(sampling)
+    words = (rows, logits_offset, positions, context, scale, top_k, p_fixed, int(sampling.seed) & U32_MAX,
+             int(greedy))
+    if variant == ONE_WORKGROUP:
+        key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)),) + exp_consts())
+        plan.add(key, [arena.add(*words), step, logits, tokens, result], (1,), label="sample")
+        return
+    _staged(plan, arena, step, logits, tokens, result, words, scratch or shared_scratch(plan.device, rows),
+            use_top_k=not greedy and 0 < top_k < rows, use_top_p=not greedy and p_fixed < WEIGHT_ONE)
+
+
+# How many of sample_staged.wgsl's bindings each entry uses (auto layouts: exactly those).
+_BINDINGS_USED = {"reduce": 3, "count_k": 3, "count_ties": 3, "weigh": 4, "sum_p": 4, "keep": 4, "draw": 7}
+
+
+def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_top_k, use_top_p,
+            every_pass=False):
+    """The passes ``sample_staged.wgsl`` describes: only those the settings need, or (tests)
+    ``every_pass``, since each pass also checks the settings itself."""
+    rows, greedy = words[0], words[8]
+    if scratch.rows < rows:
+        raise UnsupportedModelError(f"sampler: scratch for {scratch.rows} logits, the row has {rows}")
+    groups = -(-rows // SLICE)
+    params = [arena.add(*words, groups, digit, 0) for digit in range(4)]
+    bindings = [None, logits, scratch.state, scratch.weights, step, tokens, result]
+
+    def add(entry, digit=0, groups=groups):
+        key = KernelKey("sample_staged", entry=entry, consts=(("ITEMS", STAGED_ITEMS),) + exp_consts())
+        bindings[0] = params[digit]
+        plan.add(key, bindings[: _BINDINGS_USED[entry]], (groups,), label=f"sample.{entry}")
+
+    add("reduce")
+    if every_pass or not greedy:
+        if every_pass or use_top_k:
+            for digit in range(4):
+                add("count_k", digit)
+            add("count_ties")
+        add("weigh")
+        if every_pass or use_top_p:
+            for digit in (1, 2, 3):
+                add("sum_p", digit)
+            add("keep")
+    add("draw", groups=1)

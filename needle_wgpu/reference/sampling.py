@@ -1,39 +1,48 @@
-"""Next-token sampling in NumPy float32: the definition the GPU kernel (``sample.wgsl``) follows.
+"""Next-token sampling in NumPy: the definition both GPU samplers (``sample.wgsl``, one workgroup,
+and ``sample_staged.wgsl``, several passes) follow.
 
 Spec §9 only says "greedy argmax, or temperature sampling"; this module fixes the rest so that
 a sampled id is reproducible from (logits, settings, seed, position) alone, with no hidden
 state: the random number is a counter-based hash of the seed and the absolute position of the
 token being drawn.
 
-The work is laid out as the kernel does it (256 threads, thread ``t`` owning the contiguous
-indices [t·items, (t+1)·items)), and every f32 sum is taken in the kernel's order, so the two
-agree id for id except when a random draw falls within a few ulps of a boundary.
+Weights are integers (multiples of 2^-24 of the largest one), so every sum is exact and the
+same in any order: a GPU may split the vocabulary over as many workgroups as it likes. The
+float work is one subtract and one multiply per logit, both exactly rounded in WGSL; the
+exponential is computed in integers (``fixed_exp``). So GPU and reference agree bit for bit on
+every weight and id for id on every draw. The host-side constants (greedy, the weight scale,
+top_p in 2^-24) come from ``needle_wgpu.sampling.sampler_constants``.
 
 1. Keys: an order-preserving u32 of each logit's bits; NaN counts as -inf.
-2. Greedy when temperature <= 0, top_k == 1, top_p <= 0, no logit is finite, or a logit is
-   +inf: the largest logit, lowest index on ties (0 when every logit is -inf or NaN).
+2. Greedy when the temperature (as float32) is not > 0, top_k == 1, top_p <= 0, no logit
+   is finite, or a logit is +inf: the largest logit, lowest index on ties (0 when every logit is
+   -inf or NaN).
 3. Candidates: the K = top_k (0: all) largest logits, ties broken by lowest index.
-4. Weights w_i = exp((l_i - max) / temperature) on candidates (0 for -inf and the rest).
-5. Nucleus (top_p < 1): θ = the largest key with Σ_{key >= θ} w >= top_p·Σ w; candidates with
-   key >= θ are kept (all ties at θ are kept).
-6. u = (pcg(seed ^ pcg(position)) >> 8) / 2^24, with position = the absolute position of the
-   drawn token (the logits row's position + 1). The pick is the first nucleus index, in index
-   order, whose running sum exceeds u·(nucleus mass); the running sum starts each thread at its
-   share of a sequential exclusive scan of the per-thread sums (rounding past the end picks
-   the last nucleus index).
+4. Weights on candidates: with subnormal logits read as 0, x·2^24 = (l_i - max) · scale in
+   float32 (scale = 2^24 · f32(1/temperature)); w_i = fixed_exp(trunc(-x·2^24)), within one
+   unit of e^x · 2^24, when x >= -17, else 0; -inf, NaN and non-candidates weigh 0. The
+   largest logit weighs exactly 2^24.
+5. Nucleus (top_p < 1, p = floor(top_p · 2^24)): target = max(1, ceil(p · Σw / 2^24));
+   θ = the largest key with Σ_{key >= θ} w >= target; candidates with key >= θ are kept (every
+   tie at θ is kept). Without top_p, θ = 0 (every candidate).
+6. u = pcg(seed ^ pcg(position)) >> 8, 24 bits, with position = the absolute position of the
+   drawn token (the logits row's position + 1); M = the kept mass, goal = floor(u · M / 2^24)
+   < M. The pick is the first kept index, in index order, whose running sum of weights exceeds
+   goal.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..sampling import (EXP2_SIXTEENTHS, EXP_C3, EXP_C4, EXP_CUT, LN2_Q31, LOG2E_Q30, WEIGHT_ONE, Sampling,
+                        sampler_constants)
 from .ops import F32
 
-THREADS = 256
-NONE = 0xFFFFFFFF
 NEG_INF_KEY = 0x007FFFFF
 POS_INF_KEY = 0xFF800000
 U32 = 0xFFFFFFFF
+U64 = np.uint64
 
 
 def pcg_hash(x: int) -> int:
@@ -43,10 +52,14 @@ def pcg_hash(x: int) -> int:
     return (word >> 22) ^ word
 
 
-def uniform(seed: int, position: int) -> np.float32:
-    """The draw in [0, 1): 24 random bits of pcg(seed ^ pcg(position)), exactly an f32."""
-    draw = pcg_hash((seed & U32) ^ pcg_hash(position & U32))
-    return F32(draw >> 8) * F32(1.0 / 16777216.0)
+def draw24(seed: int, position: int) -> int:
+    """The 24 random bits of the draw for the token at ``position``."""
+    return pcg_hash((seed & U32) ^ pcg_hash(position & U32)) >> 8
+
+
+def uniform(seed: int, position: int) -> float:
+    """The draw as a fraction in [0, 1)."""
+    return draw24(seed, position) / float(WEIGHT_ONE)
 
 
 def order_keys(logits: np.ndarray) -> np.ndarray:
@@ -62,22 +75,42 @@ def key_values(keys: np.ndarray) -> np.ndarray:
     return bits.view(F32)
 
 
-def tree_sum(values: np.ndarray) -> np.float32:
-    """The kernel's workgroup reduction of 256 f32 values (halving spans)."""
-    v = np.array(values, dtype=F32)
-    span = THREADS // 2
-    while span:
-        v[:span] = v[:span] + v[span : 2 * span]
-        span //= 2
-    return v[0]
+def _mulq(a, b):
+    """(a · b) >> 31 for u32 a, b (Q31 products)."""
+    return (a * b) >> U64(31)
 
 
-def thread_sums(values: np.ndarray) -> np.ndarray:
-    """Each thread's sequential sum over its items: values is [256, items]."""
-    total = np.zeros(values.shape[0], F32)
-    for e in range(values.shape[1]):
-        total = total + values[:, e]
-    return total
+def fixed_exp(z: np.ndarray) -> np.ndarray:
+    """floor-ish(2^24 · e^(-z / 2^24)) for integers 0 <= z <= 17 · 2^24, in integer arithmetic
+    only (the kernels' ``fixed_exp`` step for step): t = z · log2(e) in 2^-24 units; 2^-t is
+    2^-floor(t) (a shift) · 2^-a/16 (a table) · e^(-s) (s < ln2/16: four Taylor terms), in Q31."""
+    z = np.asarray(z, U64)
+    t = (z * U64(LOG2E_Q30)) >> U64(30)
+    n = t >> U64(24)
+    s = ((t & U64(0xFFFFF)) * U64(LN2_Q31)) >> U64(24)
+    h3 = U64(EXP_C3) - _mulq(s, U64(EXP_C4))
+    h2 = U64(1 << 30) - _mulq(s, h3)
+    h1 = U64(1 << 31) - _mulq(s, h2)
+    p = U64(1 << 31) - _mulq(s, h1)
+    table = np.array(EXP2_SIXTEENTHS, U64)[((t >> U64(20)) & U64(15)).astype(np.intp)]
+    return _mulq(table, p) >> (U64(7) + n)
+
+
+def weight_values(keys: np.ndarray) -> np.ndarray:
+    """The logits the weights use: key values with subnormals read as 0 (a GPU may flush them)."""
+    values = key_values(keys)
+    subnormal = (values.view(np.uint32) & 0x7F800000) == 0
+    return np.where(subnormal, F32(0), values).astype(F32)
+
+
+def weights(keys: np.ndarray, top_key: int, scale: float) -> np.ndarray:
+    """Step 4 for the given keys (all candidates): u64 multiples of 2^-24 (NaN's key is -inf's)."""
+    top = weight_values(np.array([top_key], np.uint32))[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = (weight_values(keys) - top) * F32(scale)  # x · 2^24, float32
+        inside = x >= F32(-EXP_CUT * WEIGHT_ONE)
+        z = np.where(inside, -x, F32(0)).astype(U64)  # truncation, as u32(f32) on the GPU
+    return np.where(inside, fixed_exp(z), U64(0)).astype(U64)
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -87,68 +120,37 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, position: int) -> int:
-    """The id the GPU sampler picks for these logits and settings (module docstring).
+    """The id the GPU samplers pick for these logits and settings (module docstring).
 
     ``position`` is the absolute position of the token being drawn (the row's position + 1).
     Settings are expected saturated (``needle_wgpu.sampling.Sampling``).
     """
     logits = np.asarray(logits, dtype=F32).reshape(-1)
     rows = len(logits)
-    items = -(-rows // THREADS)
-    keys = np.zeros(THREADS * items, np.uint32)  # key 0 marks the padding past `rows`
-    keys[:rows] = order_keys(logits)
+    keys = order_keys(logits)
     max_key = int(keys.max())
-    temperature, top_p = F32(temperature), F32(top_p)
-    if temperature <= 0 or top_k == 1 or top_p <= 0 or max_key in (NEG_INF_KEY, POS_INF_KEY):
+    settings_greedy, scale, top_k, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
+    if settings_greedy or max_key in (NEG_INF_KEY, POS_INF_KEY):
         return greedy(logits)
-    top = key_values(np.array([max_key], np.uint32))[0]
 
-    # Step 3: the K largest, ties by lowest index (a stable sort on the key).
-    count = rows if top_k == 0 else min(int(top_k), rows)
-    candidate = np.zeros(THREADS * items, bool)
-    if count < rows:
-        order = np.argsort(-keys[:rows].astype(np.int64), kind="stable")
-        candidate[order[:count]] = True
-    else:
-        candidate[:rows] = True
+    # Steps 3 and 4: the K largest, ties by lowest index (a stable sort on the key).
+    count = rows if top_k == 0 else min(top_k, rows)
+    by_key = np.argsort(-keys.astype(np.int64), kind="stable")
+    candidates = by_key[:count]
+    w = np.zeros(rows, np.uint64)
+    w[candidates] = weights(keys[candidates], max_key, scale)
 
-    # Step 4.
-    real = candidate & (keys != NEG_INF_KEY)
-    w = np.zeros(THREADS * items, F32)
-    w[real] = np.exp((key_values(keys[real]) - top) / temperature)
-    keys2, w2 = keys.reshape(THREADS, items), w.reshape(THREADS, items)
-    total = tree_sum(thread_sums(w2))
-
-    # Step 5: binary search on the key, as the kernel does it.
-    def mass(theta: int) -> np.float32:
-        return tree_sum(thread_sums(np.where(keys2 >= np.uint32(theta), w2, F32(0))))
-
-    theta_p, nucleus = 0, total
-    if top_p < 1:
-        goal_mass = top_p * total
-        lo, hi = 0, max_key
-        while lo < hi:
-            gap = hi - lo
-            mid = lo + (gap >> 1) + (gap & 1)
-            if mass(mid) >= goal_mass:
-                lo = mid
-            else:
-                hi = mid - 1
-        theta_p, nucleus = lo, mass(lo)
+    # Step 5: walk the positive weights from the largest key down; all ties at θ stay.
+    theta = 0
+    if p_fixed < WEIGHT_ONE:
+        total = int(w.sum())
+        target = max(1, -(-(p_fixed * total) >> 24))
+        ordered = by_key[w[by_key] > 0]
+        reach = np.cumsum(w[ordered])
+        theta = int(keys[ordered[int(np.searchsorted(reach, target, side="left"))]])
 
     # Step 6.
-    goal = uniform(seed, position) * nucleus
-    inside = (keys2 >= np.uint32(theta_p)) & (w2 > 0)
-    shares = thread_sums(np.where(inside, w2, F32(0)))
-    running = np.concatenate(([F32(0)], np.cumsum(shares, dtype=F32)[:-1])).astype(F32)
-    found = np.full(THREADS, NONE, np.int64)
-    last = np.full(THREADS, -1, np.int64)
-    for e in range(items):
-        index = np.arange(THREADS) * items + e
-        step = inside[:, e]
-        running = np.where(step, running + w2[:, e], running).astype(F32)
-        last = np.where(step, index, last)
-        found = np.where(step & (running > goal) & (found == NONE), index, found)
-    if found.min() != NONE:
-        return int(found.min())
-    return int(last.max())
+    kept = np.flatnonzero((keys >= np.uint32(theta)) & (w > 0))
+    running = np.cumsum(w[kept])
+    goal = (draw24(seed, position) * int(running[-1])) >> 24
+    return int(kept[int(np.searchsorted(running, goal, side="right"))])
