@@ -1,6 +1,8 @@
-"""The real GGUF files of dense-gguf spec §6 for the tokenizer tests, their metadata, and
-llama.cpp's tokenizer (PyPI ``xllamacpp``, spec §9) as the oracle. Shared by
-tests/test_bpe_tokenizer.py, tests/test_spm_tokenizer.py and tools/tokenizer_goldens.py.
+"""For the GGUF tokenizer tests: hand-made vocabularies, the real files of dense-gguf spec §6
+and their metadata, and llama.cpp's tokenizer (PyPI ``xllamacpp``, spec §9) as the oracle, on
+the real files and on tiny synthetic models written around a hand-made vocabulary. Shared by
+tests/test_{bpe,spm}_tokenizer.py, tests/test_gguf_tokenizer_llama_cpp.py and
+tools/tokenizer_goldens.py.
 
 Metadata is read with gguf-py's ``GGUFReader`` and converted to plain Python values, the form
 ``tokenizer_from_gguf`` takes. Reading Gemma's 262,144-token vocabulary that way takes ~10 s, so
@@ -26,6 +28,98 @@ GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 # Golden modes: (add_special, parse_special) as llama.cpp's /tokenize takes them.
 MODES = {"plain": (False, False), "special": (True, True)}
+
+# GGUF token_type values
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+
+
+def _byte_chars() -> list[str]:
+    from needle_wgpu.formats.bpe_tokenizer import byte_to_unicode
+
+    table = byte_to_unicode()
+    return [table[b] for b in range(256)]
+
+
+BYTE_CHARS = _byte_chars()
+
+
+def bpe_metadata(merged=(), merges=(), specials=(), pre="gpt-2", **keys) -> dict:
+    """A gpt2 vocabulary: the 256 byte characters, then ``merged`` tokens, then ``specials``
+    given as (text, token_type); ``keys`` are further ``tokenizer.ggml.*`` values."""
+    tokens = BYTE_CHARS + list(merged) + [text for text, _ in specials]
+    types = [NORMAL] * (256 + len(merged)) + [kind for _, kind in specials]
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": list(merges)}
+    if pre is not None:
+        metadata["tokenizer.ggml.pre"] = pre
+    metadata.update({"tokenizer.ggml." + k: v for k, v in keys.items()})
+    return metadata
+
+
+SPM_HEAD = [("<pad>", CONTROL, 0.0), ("<eos>", CONTROL, 0.0), ("<bos>", CONTROL, 0.0),
+            ("<unk>", UNKNOWN, 0.0)]
+SPM_BYTES = [(f"<0x{b:02X}>", BYTE, 0.0) for b in range(256)]
+
+
+def spm_metadata(pieces, *, byte_tokens=True, **keys) -> dict:
+    """A llama vocabulary: pad, eos, bos, unk, the 256 byte tokens, then ``pieces`` given as
+    (text, token_type, score) or (text, score) for normal pieces."""
+    rows = SPM_HEAD + (SPM_BYTES if byte_tokens else []) + [
+        p if len(p) == 3 else (p[0], NORMAL, p[1]) for p in pieces]
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+                "tokenizer.ggml.tokens": [r[0] for r in rows],
+                "tokenizer.ggml.token_type": [r[1] for r in rows],
+                "tokenizer.ggml.scores": [r[2] for r in rows],
+                "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+                "tokenizer.ggml.unknown_token_id": 3}
+    metadata.update({"tokenizer.ggml." + k: v for k, v in keys.items()})
+    return metadata
+
+
+def write_synthetic_gguf(path: Path, metadata: dict) -> Path:
+    """A one-layer llama model (d 32, random f32 weights) around ``metadata``'s vocabulary,
+    for llama.cpp to load (spec §9); only its tokenizer matters here."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    n_vocab, d, ff, heads = len(metadata["tokenizer.ggml.tokens"]), 32, 64, 4
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(d // heads)
+    writer.add_vocab_size(n_vocab)
+    adders = {"model": writer.add_tokenizer_model, "pre": writer.add_tokenizer_pre,
+              "tokens": writer.add_token_list, "token_type": writer.add_token_types,
+              "scores": writer.add_token_scores,
+              # llama.cpp refuses a gpt2 file without merges; an unusable one changes nothing
+              "merges": lambda merges: writer.add_token_merges(merges or ["\u0100 \u0101"])}
+    for key, value in metadata.items():
+        name = key.removeprefix("tokenizer.ggml.")
+        if name in adders:
+            adders[name](value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, value)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (n_vocab, d), "blk.0.attn_q.weight": (d, d),
+              "blk.0.attn_k.weight": (d, d), "blk.0.attn_v.weight": (d, d),
+              "blk.0.attn_output.weight": (d, d), "blk.0.ffn_gate.weight": (ff, d),
+              "blk.0.ffn_up.weight": (ff, d), "blk.0.ffn_down.weight": (d, ff)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        writer.add_tensor(name, np.ones(d, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def corpus() -> list[str]:
@@ -113,6 +207,7 @@ class LlamaCppTokenizer:
         params.model.path = str(path)
         params.n_ctx = 64
         params.cpuparams.n_threads = 1
+        params.warmup = False
         self._server = xllamacpp.Server(params)
         self._address = self._server.listening_address
 
@@ -132,6 +227,15 @@ class LlamaCppTokenizer:
 
 def llama_cpp_available() -> bool:
     return importlib.util.find_spec("xllamacpp") is not None
+
+
+def without_double_bos(tokenizer, ids: list[int], add_special: bool) -> list[int]:
+    """llama.cpp adds BOS even before a BOS the text already has (and warns); spec §5.1 says
+    such a prompt gets no second one, so that is the one place our ids differ."""
+    bos = tokenizer.bos_token_id
+    if add_special and tokenizer.add_bos and ids[:2] == [bos, bos]:
+        return ids[1:]
+    return ids
 
 
 def golden_ids(oracle: LlamaCppTokenizer, strings: list[str]) -> dict:

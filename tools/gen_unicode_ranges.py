@@ -29,30 +29,34 @@ def _is_whitespace(cp: int, category: str) -> bool:
     return category in ("Zs", "Zl", "Zp") or cp in _WHITESPACE_CONTROLS
 
 
-CLASSES = {
-    # name: (doc, membership test on (code point, general category))
-    "LETTER": ("\\p{L}: categories Lu Ll Lt Lm Lo", lambda cp, cat: cat[0] == "L"),
-    "NUMBER": ("\\p{N}: categories Nd Nl No", lambda cp, cat: cat[0] == "N"),
-    "PUNCTUATION": ("\\p{P}: categories Pc Pd Ps Pe Pi Pf Po", lambda cp, cat: cat[0] == "P"),
-    "WHITESPACE": ("llama.cpp's \\s: White_Space = Zs Zl Zp + U+0009..U+000D, U+0085",
-                   _is_whitespace),
+CLASSES = {  # name: comment in the generated module
+    "LETTER": "\\p{L}: categories Lu Ll Lt Lm Lo",
+    "NUMBER": "\\p{N}: categories Nd Nl No",
+    "PUNCTUATION": "\\p{P}: categories Pc Pd Ps Pe Pi Pf Po",
+    "WHITESPACE": "llama.cpp's \\s: White_Space = Zs Zl Zp + U+0009..U+000D, U+0085",
 }
+_BY_MAJOR_CATEGORY = {"L": "LETTER", "N": "NUMBER", "P": "PUNCTUATION"}
 
 
 def compute_ranges() -> dict[str, tuple[tuple[int, int], ...]]:
     """Inclusive (first, last) code-point ranges of every class, from this interpreter's
     ``unicodedata``."""
     ranges = {name: [] for name in CLASSES}
-    tests = [(name, member) for name, (_, member) in CLASSES.items()]
+
+    def add(name: str, cp: int):
+        spans = ranges[name]
+        if spans and spans[-1][1] == cp - 1:
+            spans[-1][1] = cp
+        else:
+            spans.append([cp, cp])
+
     for cp in range(sys.maxunicode + 1):
         category = unicodedata.category(chr(cp))
-        for name, member in tests:
-            if member(cp, category):
-                spans = ranges[name]
-                if spans and spans[-1][1] == cp - 1:
-                    spans[-1][1] = cp
-                else:
-                    spans.append([cp, cp])
+        name = _BY_MAJOR_CATEGORY.get(category[0])
+        if name is not None:
+            add(name, cp)
+        if _is_whitespace(cp, category):
+            add("WHITESPACE", cp)
     return {name: tuple((a, b) for a, b in spans) for name, spans in ranges.items()}
 
 
@@ -67,7 +71,7 @@ def render(ranges: dict[str, tuple[tuple[int, int], ...]]) -> str:
         f'UNIDATA_VERSION = "{unicodedata.unidata_version}"',
         "",
     ]
-    for name, (doc, _) in CLASSES.items():
+    for name, doc in CLASSES.items():
         lines.append(f"# {doc}")
         lines.append(f"{name} = (")
         row = []

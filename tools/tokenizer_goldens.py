@@ -51,10 +51,12 @@ def main() -> int:
         f.write('"models": {\n')
         for m, (name, entry) in enumerate(golden["models"].items()):
             f.write(f"{json.dumps(name)}: {{\n")
-            f.write(f'"file": {json.dumps(entry["file"])}, "sha256": {json.dumps(entry["sha256"])},\n')
+            f.write(f'"file": {json.dumps(entry["file"])}, '
+                    f'"sha256": {json.dumps(entry["sha256"])},\n')
             for k, mode in enumerate(files.MODES):
                 rows = ",\n".join(json.dumps(ids) for ids in entry[mode])
-                f.write(f"{json.dumps(mode)}: [\n{rows}\n]{',' if k < len(files.MODES) - 1 else ''}\n")
+                comma = "," if k < len(files.MODES) - 1 else ""
+                f.write(f"{json.dumps(mode)}: [\n{rows}\n]{comma}\n")
             f.write("}" + ("," if m < len(golden["models"]) - 1 else "") + "\n")
         f.write("}\n}\n")
     print(f"wrote {files.GOLDEN}")

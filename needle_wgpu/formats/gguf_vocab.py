@@ -134,7 +134,7 @@ class GgufTokenizer:
 
     def __init__(self, metadata: Mapping, *, add_bos_default: bool):
         if not isinstance(metadata, Mapping):
-            raise ContainerError(f"tokenizer: metadata is a {type(metadata).__name__}, not a mapping")
+            _fail(f"metadata is a {type(metadata).__name__}, not a mapping")
         tokens = _sequence(metadata, "tokens", required=True)
         n = len(tokens)
         if n == 0:
@@ -256,9 +256,14 @@ class GgufTokenizer:
 
     def piece(self, token_id: int) -> str:
         """The token's stored text (byte-level characters for BPE, '▁' for SPM spaces)."""
-        if not isinstance(token_id, int) or not 0 <= token_id < len(self._tokens):
-            raise InputError(f"token id {token_id!r} is out of range for {len(self._tokens)} tokens")
-        return self._tokens[token_id]
+        try:
+            index = operator.index(token_id)
+        except TypeError:
+            index = -1
+        if not 0 <= index < len(self._tokens):
+            raise InputError(f"token id {token_id!r} is out of range for "
+                             f"{len(self._tokens)} tokens")
+        return self._tokens[index]
 
     def id_of(self, text: str) -> int | None:
         """The id of a token by its stored text (any type), or None."""
