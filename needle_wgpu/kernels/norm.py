@@ -51,3 +51,20 @@ def add_rms_norm(plan: Plan, arena: UniformArena, *, x, residual, weights, y, wi
                        residual_weight_at or 0, float(eps), 0, 0)
     key = KernelKey("add_rms_norm", consts=(("WIDTH", width), ("RESIDUAL_NORM", residual_weight_at is not None)))
     plan.add(key, [params, x, residual, weights, y], (positions,), label=label)
+
+
+def add_bias(plan: Plan, arena: UniformArena, *, y, bias, width: int, positions: int, bias_at: int = 0,
+             y_stride: int | None = None, y_offset: int = 0, label: str = "add_bias") -> None:
+    """y[t][j] += b[j] for T = ``positions`` rows of ``width`` (qwen2's output.bias).
+
+    Bindings (``add_bias.wgsl``): 0 params, 1 ``bias`` f32 (b at float ``bias_at``), 2 ``y``
+    f32 [T][y_stride] from ``y_offset`` (read_write). Workgroups: (ceil(width / 256), T), folded
+    into z above 65,535 groups. Constant: WIDTH. Reference: a NumPy add.
+    """
+    if width < 1:
+        raise UnsupportedModelError(f"{label}: width {width}")
+    groups = -(-width // 256)
+    z = -(-groups // 65535)
+    params = arena.add(y_stride or width, y_offset, bias_at, 0)
+    plan.add(KernelKey("add_bias", consts=(("WIDTH", width),)), [params, bias, y],
+             (min(groups, 65535), positions, z), label=label)

@@ -114,3 +114,22 @@ def test_checks(device):
         ffn.gated_activation(plan, arena, gate=buf, up=buf, out=buf, width=8, positions=1, act="relu")
     with pytest.raises(UnsupportedModelError):
         norm.rms_norm(plan, arena, x=buf, weights=buf, y=buf, width=0, positions=1, eps=1e-6)
+
+
+@pytest.mark.parametrize("width", [7, 300, 49152])
+def test_add_bias(device, width):
+    """y[t][j] += b[j] over rows with a stride and offset; the rest of y is untouched (exact:
+    one f32 addition per element)."""
+    rng = np.random.default_rng(width)
+    T, stride = 3, width + 5
+    y0 = rng.normal(size=(T + 1) * stride).astype(F32)
+    b = rng.normal(size=width).astype(F32)
+    yb = upload(device, y0, "y")
+    bb = upload(device, np.concatenate((np.zeros(64, F32), b)), "bias")
+    run(device, lambda plan, arena: norm.add_bias(plan, arena, y=yb, bias=bb, width=width, positions=T,
+                                                  bias_at=64, y_stride=stride, y_offset=stride))
+    want = y0.copy()
+    for t in range(T):
+        start = (t + 1) * stride
+        want[start:start + width] += b
+    np.testing.assert_array_equal(download(device, yb, ((T + 1) * stride,)), want)
