@@ -8,9 +8,9 @@ file, no GPU), ``open(parsed, device, progress) -> GpuModel`` and ``describe(par
 from __future__ import annotations
 
 from .formats.source import Source
-from .models import needle3
+from .models import dense, needle3
 
-FAMILIES = {"needle3": needle3}
+FAMILIES = {"needle3": needle3, "dense": dense}
 
 
 def magic(source) -> bytes:
@@ -41,7 +41,8 @@ def open_gpu_model(source, device=None, progress=None):
     return family.open(parsed, device, progress=progress)
 
 
-def describe(source) -> dict:
-    """A model file's family, geometry and sizes without a GPU."""
+def describe(source, context=None) -> dict:
+    """A model file's family, geometry and sizes without a GPU (``context``: what a session of
+    that many positions would allocate, where the family sizes its cache by it)."""
     family = family_of(source)
-    return family.describe(family.read(source))
+    return family.describe(family.read(source), context=context)

@@ -1,0 +1,1 @@
+"""How requests become token ids and completions become results, per model family."""

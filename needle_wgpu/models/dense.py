@@ -1,0 +1,261 @@
+"""The dense GGUF family on the GPU (Llama, Qwen2, Qwen3, Gemma 3): weights uploaded once in
+their quantised bits, sessions with a preallocated KV cache, and the prebuilt dispatch plan of
+spec dense-gguf §3 read top to bottom as the model's forward.
+
+Per layer and chunk (12 dispatches)::
+
+    h  = RMSNorm(x; attn_norm)            (fused with the previous residual add)
+    q, k, v = Wq h, Wk h, Wv h             (three q_matmuls into one q | k | v row)
+    qk_rope: biases, QK-norm, RoPE; K/V into the cache
+    attention (causal GQA, sliding window where the layer has one)
+    a  = Wo o
+    x += a (Gemma: RMSNorm(a; post_attention_norm)); h = RMSNorm(x; ffn_norm)
+    g, u = Wgate h, Wup h;  act = silu(g)·u (Gemma: gelu_tanh(g)·u);  f = Wdown act
+    x += f (Gemma: RMSNorm(f; post_ffw_norm)), fused with the next layer's norm
+
+then the final norm, the head over the rows that are needed and the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..chat.dense import DenseChat
+from ..constants import f32, sqrt
+from ..errors import UnsupportedModelError
+from ..formats.dense_geometry import DenseGeometry
+from ..formats.gguf import MAGIC, GgufFile, open_gguf
+from ..formats.gguf_tokenizer import tokenizer_from_gguf
+from ..gpu.device import Binding, Device, Plan, UniformArena
+from ..kernels import attention as attention_ops
+from ..kernels import ffn as ffn_ops
+from ..kernels import norm as norm_ops
+from ..kernels import qmatmul
+from ..kernels import sample as sample_ops
+from .session import ChunkedSession, PlanKey, clamp_context
+
+PREFILL_CHUNK = 64
+KV_MODES = ("f32", "f16")  # f16: IEEE halves packed in words (core WGSL, no shader-f16 needed)
+DEFAULT_CONTEXT = 4096  # a session's KV cache unless a longer one is asked for (the file may allow 128k)
+F32 = 4
+ALIGN = 64  # floats: every vector in the norms buffer starts on a 256-byte boundary
+
+
+def sniff(head: bytes) -> bool:
+    return bytes(head[:4]) == MAGIC
+
+
+@dataclass(frozen=True)
+class DenseFile:
+    """A validated GGUF file and the dense geometry read from it."""
+
+    gguf: GgufFile
+    geometry: DenseGeometry
+
+
+def read(source) -> DenseFile:
+    """Read and validate a GGUF file (path or bytes) and its dense geometry (no GPU)."""
+    f = open_gguf(source)
+    return DenseFile(f, DenseGeometry.from_gguf(f))
+
+
+def open(parsed: DenseFile, device: Device, progress=None) -> "DenseGpu":
+    return DenseGpu(device, parsed, progress=progress)
+
+
+def describe(parsed: DenseFile, context: int | None = None) -> dict:
+    """Architecture, geometry, quantisation mix and GPU bytes for a context, without a GPU."""
+    f, g = parsed.gguf, parsed.geometry
+    mix: dict = {}
+    for name, _ in g.tensors():
+        t = f[name]
+        mix[t.type.name] = mix.get(t.type.name, 0) + t.nbytes
+    context = default_context(g) if context is None else clamp_context(context, g.max_seq_len)
+    weights = sum(f[name].nbytes for name, _ in g.tensors())
+    return {"family": "dense", "architecture": g.arch,
+            "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
+            "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
+            "context": context, "kv_bytes": {mode: kv_bytes(g, context, mode) for mode in KV_MODES},
+            "tokenizer": f.get_str("tokenizer.ggml.model", None)}
+
+
+def default_context(g: DenseGeometry) -> int:
+    return min(g.max_seq_len, DEFAULT_CONTEXT)
+
+
+def kv_bytes(g: DenseGeometry, context: int, mode: str = "f32") -> int:
+    """K and V for every layer at ``context`` positions (sliding layers keep a ring)."""
+    total = 0
+    for layer in range(g.num_layers):
+        shape = attention_shape(g, layer)
+        slots = context if shape.window is None else min(shape.window + PREFILL_CHUNK - 1, context)
+        total += F32 * slots * g.num_kv_heads * (g.key_dim + g.value_dim)
+    return total // 2 if mode == "f16" else total
+
+
+def attention_shape(g: DenseGeometry, layer: int) -> attention_ops.AttentionShape:
+    base, scale = g.rope(layer)
+    return attention_ops.AttentionShape(
+        heads=g.num_heads, kv_heads=g.num_kv_heads, qk_dim=g.key_dim, v_dim=g.value_dim,
+        window=None if g.is_global(layer) else g.sliding_window, rope="neox" if g.rope_neox else "adjacent",
+        rotary_dims=g.rope_dims, rope_base=base, rope_scale=scale, scale=f32(g.attention_scale),
+        norm=g.qk_norm or "none", eps=g.rms_eps,
+        bias=g.qkv_bias)
+
+
+class _Vectors:
+    """Every F32 vector of the graph (norm weights, biases) in one buffer, by float offset."""
+
+    def __init__(self, f: GgufFile, names: list):
+        self.at, parts, size = {}, [], 0
+        for name in names:
+            data = f[name].data
+            self.at[name] = size
+            padded = -(-len(data) // (F32 * ALIGN)) * F32 * ALIGN
+            parts.append(bytes(data) + bytes(padded - len(data)))
+            size += padded // F32
+        self.data = b"".join(parts)
+
+
+class DenseGpu:
+    """A dense GGUF model's weights on a device, in the file's quantised bits (spec §4.3)."""
+
+    def __init__(self, device: Device, parsed: DenseFile, progress=None):
+        self.device, self.parsed, self.file = device, parsed, parsed.gguf
+        self.geometry = g = parsed.geometry
+        f = self.file
+        report = progress or (lambda stage, done, total: None)
+        self.tokenizer = tokenizer_from_gguf(f.metadata())
+        self.chat = DenseChat(self.tokenizer)
+        self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
+        for shape in self.shapes:
+            shape.check()
+        weights_before = device.counters.bytes_allocated.get("weights", 0)
+        vectors = [name for name, ne in g.tensors() if len(ne) == 1]
+        self.vectors = _Vectors(f, vectors)
+        self.vector_buffer = device.buffer(len(self.vectors.data), label="vectors", data=self.vectors.data,
+                                           kind="weights")
+        self.embedding = self._upload("token_embd.weight")
+        self.head = self.embedding if g.tied_head else self._upload("output.weight")
+        if g.is_moe:
+            raise UnsupportedModelError(f"architecture {g.arch!r}: mixture-of-experts layers are not supported yet")
+        self.layers = []
+        for i in range(g.num_layers):
+            report("upload", i, g.num_layers)
+            self.layers.append({name: self._upload(f"blk.{i}.{name}.weight")
+                                for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                             "ffn_down")})
+        self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
+        report("upload", g.num_layers, g.num_layers)
+
+    def _upload(self, name: str) -> qmatmul.QPack:
+        t = self.file[name]
+        return qmatmul.upload(self.device, name, t.type.name, t.data, rows=t.rows, cols=t.row_width)
+
+    def vector(self, name: str) -> int:
+        return self.vectors.at[name]
+
+    def describe(self) -> dict:
+        return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes}
+
+    def session(self, context=None, kv="f32") -> "DenseSession":
+        return DenseSession(self, context=context, kv=kv)
+
+
+class DenseSession(ChunkedSession):
+    """One conversation: f32 K/V caches and scratch rows for a fixed context, cached plans."""
+
+    def __init__(self, model: DenseGpu, context=None, kv="f32"):
+        g = model.geometry
+        self.model = model
+        self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
+        mode = str(kv).lower()
+        if mode not in KV_MODES:
+            raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")
+        dev = self.device
+        self.logit_rows = g.head_rows
+        qkv_width = g.q_dim + g.k_dim + g.v_dim
+        widest = F32 * max(g.head_rows, qkv_width, 2 * g.ff_dim, g.d_model)
+        self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
+        s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
+        self.x = s(g.d_model, "residual")
+        self.h = s(g.d_model, "normed")
+        self.qkv = s(qkv_width, "qkv")
+        self.q = s(g.q_dim, "q")
+        self.o = s(g.attn_out, "attention")
+        self.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
+        self.gate_up = s(2 * g.ff_dim, "gate_up")
+        self.act = s(g.ff_dim, "act")
+        self.logits = s(g.head_rows, "logits")
+        self.caches = [attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
+                       for i, shape in enumerate(model.shapes)]
+
+    def _build(self, key: PlanKey) -> Plan:
+        m, g, dev = self.model, self.model.geometry, self.device
+        T, d = key.positions, g.d_model
+        arena = UniformArena(dev, capacity=max(1 << 14, 4096 * (g.num_layers + 2) * 16), label=f"uniforms.T{T}")
+        plan = Plan(dev, f"dense chunk T={T}")
+        step = Binding(self.step_uniform)
+        vec = m.vector_buffer
+        gemma = g.arch == "gemma3"
+        embed_scale = sqrt(d) if gemma else 1.0
+        qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
+        qkv_width = g.q_dim + g.k_dim + g.v_dim
+        ff = g.ff_dim
+        for layer in range(g.num_layers):
+            w = m.layers[layer]
+            name = lambda n: f"blk.{layer}.{n}"
+            norm = m.vector(name("attn_norm.weight"))
+            if layer == 0:
+                norm_ops.rms_norm(plan, arena, x=self.x, weights=vec, y=self.h, width=d, positions=T,
+                                  eps=g.rms_eps, weight_at=norm, label="attn_norm 0")
+            else:
+                post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if gemma else None
+                norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
+                                      positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
+                                      label=f"ffn residual + attn_norm {layer}")
+            for tensor, offset in (("attn_q", 0), ("attn_k", g.q_dim), ("attn_v", g.q_dim + g.k_dim)):
+                qmatmul.q_matmul(plan, arena, w[tensor], self.h, self.qkv, positions=T, x_stride=d,
+                                 y_stride=qkv_width, y_offset=offset)
+            shape, vectors = m.shapes[layer], {}
+            if shape.norm != "none":
+                vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
+                               k_norm_at=m.vector(name("attn_k_norm.weight")))
+            if shape.bias:
+                vectors.update(q_bias_at=m.vector(name("attn_q.bias")), k_bias_at=m.vector(name("attn_k.bias")),
+                               v_bias_at=m.vector(name("attn_v.bias")))
+            attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q,
+                                  cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
+                                  label=f"qk_rope {layer}", **vectors)
+            attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
+                                    positions=T, label=f"attention {layer}")
+            qmatmul.q_matmul(plan, arena, w["attn_output"], self.o, self.branch, positions=T, x_stride=g.attn_out,
+                             y_stride=d)
+            post = m.vector(name("post_attention_norm.weight")) if gemma else None
+            norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
+                                  positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
+                                  residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
+            qmatmul.q_matmul(plan, arena, w["ffn_gate"], self.h, self.gate_up, positions=T, x_stride=d,
+                             y_stride=2 * ff)
+            qmatmul.q_matmul(plan, arena, w["ffn_up"], self.h, self.gate_up, positions=T, x_stride=d,
+                             y_stride=2 * ff, y_offset=ff)
+            ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
+                                     positions=T, act="gelu_tanh" if gemma else "silu", gate_stride=2 * ff,
+                                     up_stride=2 * ff, up_offset=ff, label=f"ffn act {layer}")
+            qmatmul.q_matmul(plan, arena, w["ffn_down"], self.act, self.branch, positions=T, x_stride=ff,
+                             y_stride=d)
+        post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if gemma else None
+        norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
+                              positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
+                              residual_weight_at=post, label="ffn residual + output_norm")
+        scored = T if key.all_logits else 1
+        qmatmul.q_matmul(plan, arena, m.head, self.h, self.logits, positions=scored, x_stride=d,
+                         x_offset=(T - scored) * d, y_stride=g.head_rows)
+        if g.output_bias:
+            norm_ops.add_bias(plan, arena, y=self.logits, bias=vec, width=g.head_rows, positions=scored,
+                              bias_at=m.vector("output.bias"), label="output.bias")
+        if key.sample is not None:
+            sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
+                              rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
+                              positions=T, sampling=key.sample)
+        return plan
