@@ -1,5 +1,7 @@
-"""``needle-wgpu bench``: prefill and decode speed, work per decode step, memory, and the NumPy
-reference measured in the same run. A script that prints and saves numbers, not a timed test."""
+"""``needle-wgpu bench``: prefill and decode speed, work per decode step, memory, and a CPU
+reference measured in the same run (Needle 3: the NumPy reference; GGUF models: llama.cpp's CPU
+engine through xllamacpp, same prompt ids and thread count). A script that prints and saves
+numbers, not a timed test."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def run_benchmark(args) -> dict:
     described = model.describe()
     result = {
         "model": str(path),
+        "family": described["family"],
         "geometry": {"d_model": g.d_model, "layers": g.num_layers, "vocab": g.vocab},
         "adapter": device.adapter_name,
         "host": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
@@ -73,7 +76,8 @@ def run_benchmark(args) -> dict:
     }
     session.close()
     if args.reference:
-        result.update(_reference_speed(path, prompt, decode_tokens))
+        reference_speed = {"needle3": _reference_speed, "dense": _llamacpp_speed}[described["family"]]
+        result.update(reference_speed(path, prompt, decode_tokens))
         for phase in ("prefill", "decode"):
             reference = max(result[f"reference_{phase}_tok_s"], 1e-9)
             result[f"gpu_over_reference_{phase}"] = round(result[f"{phase}_tok_s"] / reference, 3)
@@ -101,3 +105,29 @@ def _reference_speed(path, prompt, decode_tokens) -> dict:
     decode_s = time.perf_counter() - t1
     return {"reference_prefill_tok_s": round(len(prompt) / max(prefill_s, 1e-9), 3),
             "reference_decode_tok_s": round(steps / max(decode_s, 1e-9), 3)}
+
+
+def _llamacpp_speed(path, prompt, decode_tokens) -> dict:
+    """llama.cpp's CPU engine (PyPI xllamacpp, a dev dependency) on the same ids: its own
+    prompt and generation timings, with as many threads as this machine has cores."""
+    import os
+
+    try:
+        import xllamacpp
+    except ImportError:
+        return {"reference": "llama.cpp not measured (pip install xllamacpp)",
+                "reference_prefill_tok_s": 0.0, "reference_decode_tok_s": 0.0}
+    threads = os.cpu_count() or 1
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.n_ctx = len(prompt) + decode_tokens + 8
+    params.n_parallel = 1
+    params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
+    server = xllamacpp.Server(params)
+    body = {"prompt": list(prompt), "max_tokens": max(decode_tokens, 1), "temperature": 0.0, "top_k": 1,
+            "cache_prompt": False, "ignore_eos": True, "seed": 0}
+    server.handle_completions(dict(body, max_tokens=1))  # warm-up
+    timings = server.handle_completions(body)["timings"]
+    return {"reference": f"llama.cpp CPU (xllamacpp {getattr(xllamacpp, '__version__', '?')}), {threads} threads",
+            "reference_prefill_tok_s": round(timings["prompt_per_second"], 3),
+            "reference_decode_tok_s": round(timings["predicted_per_second"], 3)}

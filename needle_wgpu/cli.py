@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
     path = Path(args.model) if args.model else default_model(lambda m: print(m, file=sys.stderr))
     model = _load(path, Progress(args.quiet))
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, kv=args.kv, stop=args.stop or ())
+                   top_p=args.top_p, seed=args.seed, kv=args.kv, stop=args.stop or (), context=args.context)
     if args.prompt is not None:
         request = dict(prompt=args.prompt)
     else:
@@ -98,11 +98,15 @@ def cmd_generate(args) -> int:
 
     result = GenerationResult("", [], "empty", 0)
     for event in model.stream(**request, result=result, **options):
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    completion = model.chat.parse(result.text) if "query" in request else None
+    if args.json:
+        print(json.dumps(_result_json(result, completion), ensure_ascii=not _writes_utf8(sys.stdout)))
+        return 0
     sys.stdout.write("\n")
-    if "query" in request:
-        completion = model.chat.parse(result.text)
+    if completion is not None:
         calls = {"tool_calls": completion.tool_calls, "problems": completion.problems}
         print(json.dumps(calls, ensure_ascii=not _writes_utf8(sys.stdout)))
     print(f"[{len(result.ids)} tokens, finish: {result.finish_reason}, prompt {result.prompt_tokens} tokens, "
@@ -111,10 +115,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _result_json(result, completion) -> dict:
+    """``generate --json``: the whole result as one JSON object."""
+    out = {"ids": result.ids, "text": result.text, "finish_reason": result.finish_reason,
+           "prompt_tokens": result.prompt_tokens, "clamped_ids": result.clamped_ids,
+           "timings": {"time_to_first_token_s": round(result.time_to_first_token_s, 6),
+                       "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 3),
+                       "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)}}
+    if completion is not None:
+        out["tool_calls"], out["problems"] = completion.tool_calls, completion.problems
+    return out
+
+
 def cmd_info(args) -> int:
     from .families import describe
 
-    print(json.dumps(describe(args.model), indent=2))
+    print(json.dumps(describe(args.model, context=args.context), indent=2))
     return 0
 
 
@@ -139,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text or tool calls")
-    gen.add_argument("model", nargs="?", help=".cact file (default: $NEEDLE3_MODEL or a synthetic model)")
+    gen.add_argument("model", nargs="?", help=".cact or .gguf file (default: $NEEDLE3_MODEL or a synthetic "
+                     "Needle 3 model)")
     gen.add_argument("--prompt", help="free text prompt")
     gen.add_argument("--tools", help="tools JSON (tool-calling prompt)")
     gen.add_argument("--query", help="user query (tool-calling prompt)")
@@ -148,13 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=float, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=float, default=0)
-    gen.add_argument("--kv", choices=("f32", "int8"), default="f32")
+    gen.add_argument("--kv", choices=("f32", "int8", "f16"), default="f32",
+                     help="KV cache: f32, int8 (Needle 3) or f16 (dense GGUF models)")
+    gen.add_argument("--context", type=float, default=None, help="context length (default: the model's "
+                     "own for Needle 3, 4096 positions for GGUF models)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(run=cmd_generate)
 
     info = sub.add_parser("info", help="print a model file's geometry and layout")
     info.add_argument("model")
+    info.add_argument("--context", type=float, default=None, help="GGUF: KV bytes for this context")
     info.set_defaults(run=cmd_info)
 
     bench = sub.add_parser("bench", help="benchmark prefill/decode and write JSON")

@@ -39,8 +39,9 @@ def open(container: CactFile, device: Device, progress=None) -> "Needle3Gpu":
     return Needle3Gpu(device, container, progress=progress)
 
 
-def describe(container: CactFile) -> dict:
-    """A .cact file's geometry and layout, without a GPU (``needle-wgpu info``)."""
+def describe(container: CactFile, context=None) -> dict:
+    """A .cact file's geometry and layout, without a GPU (``needle-wgpu info``; sessions are
+    sized by the model's own context, so ``context`` changes nothing here)."""
     g = container.geometry
     return {"family": "needle3", "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
             "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
