@@ -128,7 +128,7 @@ class BpeTokenizer(GgufTokenizer):
         self.pre_tokenizer = pre if pre in PRE_TOKENIZERS else "default"
         expressions, self._ignore_merges, add_bos = PRE_TOKENIZERS[self.pre_tokenizer]
         super().__init__(metadata, add_bos_default=add_bos)
-        self._splitters = tuple(_compile(e) for e in expressions)
+        self._pre_splitters = tuple(_compile(e) for e in expressions)
 
         merges = metadata.get(KEY + "merges")
         if merges is None or isinstance(merges, (str, bytes)) or not hasattr(merges, "__len__"):
@@ -148,7 +148,7 @@ class BpeTokenizer(GgufTokenizer):
     def pre_tokenize(self, text: str) -> list[str]:
         """The pieces ``text`` is split into before merging (as text, not byte characters)."""
         pieces = [text]
-        for splitter in self._splitters:
+        for splitter in self._pre_splitters:
             pieces = [p for piece in pieces for p in splitter.split(piece) if p]
         return pieces
 

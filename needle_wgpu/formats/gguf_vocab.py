@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 
 from ..errors import ContainerError, InputError
+from .special_tokens import SpecialTokenSplitter
 
 # llama.cpp's token attributes (a bit set; the file stores one type per token).
 UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
@@ -220,8 +221,8 @@ class GgufTokenizer:
         self.stop_ids = tuple(sorted(eog))
 
     def _build_special_index(self):
-        """Special tokens longest first (llama.cpp's cache_special_tokens order; ties by id),
-        and for each partition mode the first characters and prefixes that can start one."""
+        """The special tokens in llama.cpp's cache_special_tokens order (longest first; ties
+        by id), and a splitter for each partition mode."""
         attrs, tokens = self._attrs, self._tokens
         special, mask = [], attrs.translate(_SPECIAL_MASK)
         at = mask.find(1)
@@ -229,16 +230,10 @@ class GgufTokenizer:
             special.append(at)
             at = mask.find(1, at + 1)
         special.sort(key=lambda i: (-len(tokens[i]), i))
-        self._special_rank = {i: rank for rank, i in enumerate(special)}
-        self._partition = {}
-        for parse_special in (False, True):
-            ids = [i for i in special if parse_special or not attrs[i] & _HIDDEN]
-            texts = {tokens[i]: i for i in ids}
-            prefixes = {t[:k] for t in texts for k in range(1, len(t) + 1)}
-            firsts = "".join(sorted({t[0] for t in texts}))
-            starts = re.compile("[" + "".join(f"\\U{ord(c):08X}" for c in firsts) + "]") \
-                if firsts else None
-            self._partition[parse_special] = (starts, prefixes, texts)
+        self._special_splitters = {
+            parse_special: SpecialTokenSplitter(
+                (tokens[i], i) for i in special if parse_special or not attrs[i] & _HIDDEN)
+            for parse_special in (False, True)}
 
     # ------------------------------------------------------------------------ look-ups
 
@@ -295,7 +290,7 @@ class GgufTokenizer:
             raise InputError(f"encode takes a str, got {type(text).__name__}")
         ids = []
         after_special = True  # SPM adds its space prefix at the start and after a special
-        for fragment in self.split_special(text, parse_special=bool(parse_special)):
+        for fragment in self._special_splitters[bool(parse_special)].split(text):
             if isinstance(fragment, int):
                 ids.append(fragment)
                 after_special = True
@@ -313,46 +308,9 @@ class GgufTokenizer:
         raise NotImplementedError
 
     def split_special(self, text: str, *, parse_special: bool = False) -> list:
-        """``text`` as a list of plain-text fragments (str) and special-token ids (int).
-
-        llama.cpp's ``tokenizer_st_partition``: each special token, longest first, is cut out
-        of every fragment the longer ones left, leftmost occurrence first. That is not the
-        same as a longest-first regex alternation when occurrences overlap, so occurrences
-        are collected first and then accepted in llama.cpp's order.
-        """
-        starts, prefixes, texts = self._partition[parse_special]
-        if starts is None or not text:
-            return [text] if text else []
-        found = []
-        end = len(text)
-        for match in starts.finditer(text):
-            at = match.start()
-            for stop in range(at + 1, end + 1):
-                candidate = text[at:stop]
-                if candidate not in prefixes:
-                    break
-                token_id = texts.get(candidate)
-                if token_id is not None:
-                    found.append((self._special_rank[token_id], at, stop, token_id))
-        if not found:
-            return [text]
-        found.sort()
-        taken = bytearray(end)
-        accepted = []
-        for _, at, stop, token_id in found:
-            if taken.find(1, at, stop) == -1:
-                taken[at:stop] = b"\x01" * (stop - at)
-                accepted.append((at, stop, token_id))
-        accepted.sort()
-        parts, done = [], 0
-        for at, stop, token_id in accepted:
-            if at > done:
-                parts.append(text[done:at])
-            parts.append(token_id)
-            done = stop
-        if done < end:
-            parts.append(text[done:])
-        return parts
+        """``text`` as a list of plain-text fragments (str) and special-token ids (int), as
+        llama.cpp's ``tokenizer_st_partition`` cuts it (``special_tokens``)."""
+        return self._special_splitters[bool(parse_special)].split(text)
 
     # ------------------------------------------------------------------------ decoding
 
