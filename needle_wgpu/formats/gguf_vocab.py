@@ -1,6 +1,7 @@
 """What the two GGUF tokenizers share (dense-gguf spec §5.1): the vocabulary as llama.cpp reads
 it from ``tokenizer.ggml.*``, its special tokens, end-of-generation ids, BOS/EOS rules, the
-special-token partition that runs before either encoder, and decoding (whole or streamed).
+special-token partition that runs before either encoder (``special_tokens``), and decoding
+(whole or streamed, ``stream_decoder``).
 
 Pure Python (no numpy, no ``regex``): this runs in Pyodide. ``bpe_tokenizer.BpeTokenizer``
 (``gpt2`` files) and ``gguf_spm_tokenizer.SpmTokenizer`` (``llama`` files) add the encoder of one
@@ -14,7 +15,6 @@ which tokens are cut out of the text before encoding and what each token decodes
 
 from __future__ import annotations
 
-import codecs
 import operator
 import re
 from array import array
@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import ContainerError, InputError
 from .special_tokens import SpecialTokenSplitter
+from .stream_decoder import StreamDecoder
 
 # llama.cpp's token attributes (a bit set; the file stores one type per token).
 UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
@@ -359,63 +360,11 @@ class GgufTokenizer:
 
     def stream_decoder(self, at_text_start: bool = True, *, stop_strings=(),
                        special: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, at_text_start=at_text_start, stop_strings=stop_strings,
-                             special=special)
-
-
-class StreamDecoder:
-    """Decode one id at a time, returning only text that is final.
-
-    Held back: an incomplete UTF-8 sequence (until it completes, or :meth:`finish`), and a
-    tail that may be the beginning of one of ``stop_strings``. When a stop string completes,
-    the text before it is returned, ``stopped`` becomes True and every later push returns "".
-    Without stop strings the chunks join to ``tokenizer.decode`` of the ids pushed.
-    ``at_text_start=False`` keeps an SPM first piece's leading space (a completion that
-    continues a prompt).
-    """
-
-    def __init__(self, tokenizer: GgufTokenizer, *, at_text_start: bool = True,
-                 stop_strings=(), special: bool = False):
-        if isinstance(stop_strings, str):
-            stop_strings = (stop_strings,)
-        self._tokenizer = tokenizer
-        self._special = special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._strip_space = at_text_start and tokenizer._strips_leading_space
-        self._stops = tuple(s for s in stop_strings if isinstance(s, str) and s)
-        self._pending = ""
-        self.stopped = False
-
-    def push(self, token_id) -> str:
-        if self.stopped:
-            return ""
-        return self._emit(self._utf8.decode(self._tokenizer.token_bytes(token_id,
-                                                                        special=self._special)))
-
-    def finish(self) -> str:
-        """Flush held-back text (an incomplete sequence at the end becomes U+FFFD)."""
-        if self.stopped:
-            return ""
-        text = self._emit(self._utf8.decode(b"", final=True), final=True)
-        return text
-
-    def _emit(self, chunk: str, final: bool = False) -> str:
-        if self._strip_space and chunk:
-            self._strip_space = False
-            if chunk[0] == " ":
-                chunk = chunk[1:]
-        if not self._stops:
-            return chunk
-        text = self._pending + chunk
-        hits = [at for at in (text.find(s) for s in self._stops) if at >= 0]
-        if hits:
-            self.stopped = True
-            self._pending = ""
-            return text[: min(hits)]
-        keep = 0 if final else max((k for s in self._stops for k in range(1, len(s))
-                                    if text.endswith(s[:k])), default=0)
-        self._pending = text[len(text) - keep:] if keep else ""
-        return text[: len(text) - keep]
+        """Decode one id at a time (``stream_decoder.StreamDecoder``); ``at_text_start=False``
+        keeps an SPM first piece's leading space (a completion that continues a prompt)."""
+        return StreamDecoder(lambda token_id: self.token_bytes(token_id, special=special),
+                             strip_leading_space=at_text_start and self._strips_leading_space,
+                             stop_strings=stop_strings)
 
 
 def scores_of(metadata: Mapping, n: int) -> array:
