@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 
 from . import unicode_ranges
-from .gguf_vocab import KEY, GgufTokenizer, _fail
+from .gguf_vocab import KEY, GgufTokenizer, _fail, _sequence
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -128,19 +128,16 @@ class BpeTokenizer(GgufTokenizer):
         self.pre_tokenizer = pre if pre in PRE_TOKENIZERS else "default"
         expressions, self._ignore_merges, add_bos = PRE_TOKENIZERS[self.pre_tokenizer]
         super().__init__(metadata, add_bos_default=add_bos)
-        self._splitters = tuple(_compile(e) for e in expressions)
+        self._pre_splitters = tuple(_compile(e) for e in expressions)
 
-        merges = metadata.get(KEY + "merges")
-        if merges is None or isinstance(merges, (str, bytes)) or not hasattr(merges, "__len__"):
-            _fail("tokenizer.ggml.merges is missing or not an array of strings")
-        if not all(type(m) is str for m in merges):
+        merges = _sequence(metadata, "merges", required=True)
+        try:
+            "".join(merges)  # a type check of every merge at C speed
+        except TypeError:
             _fail("tokenizer.ggml.merges holds a value that is not a string")
-        # Keyed by the merge's own text "left right" (no copies); llama.cpp keeps the first of
-        # duplicate pairs, and splits at the first space after position 0.
-        ranks = {}
-        for rank in range(len(merges) - 1, -1, -1):
-            ranks[merges[rank]] = rank
-        self._ranks = ranks
+        # Keyed by the merge's own text "left right" (no copies). Filled from the end, so the
+        # first of duplicate pairs keeps its rank, as in llama.cpp.
+        self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
         self._word_cache = {}
 
     # ------------------------------------------------------------------------ encoding
@@ -148,7 +145,7 @@ class BpeTokenizer(GgufTokenizer):
     def pre_tokenize(self, text: str) -> list[str]:
         """The pieces ``text`` is split into before merging (as text, not byte characters)."""
         pieces = [text]
-        for splitter in self._splitters:
+        for splitter in self._pre_splitters:
             pieces = [p for piece in pieces for p in splitter.split(piece) if p]
         return pieces
 

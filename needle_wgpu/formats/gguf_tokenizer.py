@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from ..errors import ContainerError, UnsupportedModelError
 from .bpe_tokenizer import BpeTokenizer
 from .gguf_spm_tokenizer import SpmTokenizer
-from .gguf_vocab import GgufTokenizer, StreamDecoder
+from .gguf_vocab import GgufTokenizer
+from .stream_decoder import StreamDecoder
 
 __all__ = ["tokenizer_from_gguf", "GgufTokenizer", "BpeTokenizer", "SpmTokenizer",
            "StreamDecoder"]

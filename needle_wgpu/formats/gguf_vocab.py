@@ -1,6 +1,7 @@
 """What the two GGUF tokenizers share (dense-gguf spec §5.1): the vocabulary as llama.cpp reads
 it from ``tokenizer.ggml.*``, its special tokens, end-of-generation ids, BOS/EOS rules, the
-special-token partition that runs before either encoder, and decoding (whole or streamed).
+special-token partition that runs before either encoder (``special_tokens``), and decoding
+(whole or streamed, ``stream_decoder``).
 
 Pure Python (no numpy, no ``regex``): this runs in Pyodide. ``bpe_tokenizer.BpeTokenizer``
 (``gpt2`` files) and ``gguf_spm_tokenizer.SpmTokenizer`` (``llama`` files) add the encoder of one
@@ -14,13 +15,14 @@ which tokens are cut out of the text before encoding and what each token decodes
 
 from __future__ import annotations
 
-import codecs
 import operator
 import re
 from array import array
 from collections.abc import Mapping, Sequence
 
 from ..errors import ContainerError, InputError
+from .special_tokens import SpecialTokenSplitter
+from .stream_decoder import StreamDecoder
 
 # llama.cpp's token attributes (a bit set; the file stores one type per token).
 UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
@@ -220,8 +222,8 @@ class GgufTokenizer:
         self.stop_ids = tuple(sorted(eog))
 
     def _build_special_index(self):
-        """Special tokens longest first (llama.cpp's cache_special_tokens order; ties by id),
-        and for each partition mode the first characters and prefixes that can start one."""
+        """The special tokens in llama.cpp's cache_special_tokens order (longest first; ties
+        by id), and a splitter for each partition mode."""
         attrs, tokens = self._attrs, self._tokens
         special, mask = [], attrs.translate(_SPECIAL_MASK)
         at = mask.find(1)
@@ -229,16 +231,10 @@ class GgufTokenizer:
             special.append(at)
             at = mask.find(1, at + 1)
         special.sort(key=lambda i: (-len(tokens[i]), i))
-        self._special_rank = {i: rank for rank, i in enumerate(special)}
-        self._partition = {}
-        for parse_special in (False, True):
-            ids = [i for i in special if parse_special or not attrs[i] & _HIDDEN]
-            texts = {tokens[i]: i for i in ids}
-            prefixes = {t[:k] for t in texts for k in range(1, len(t) + 1)}
-            firsts = "".join(sorted({t[0] for t in texts}))
-            starts = re.compile("[" + "".join(f"\\U{ord(c):08X}" for c in firsts) + "]") \
-                if firsts else None
-            self._partition[parse_special] = (starts, prefixes, texts)
+        self._special_splitters = {
+            parse_special: SpecialTokenSplitter(
+                (tokens[i], i) for i in special if parse_special or not attrs[i] & _HIDDEN)
+            for parse_special in (False, True)}
 
     # ------------------------------------------------------------------------ look-ups
 
@@ -295,7 +291,7 @@ class GgufTokenizer:
             raise InputError(f"encode takes a str, got {type(text).__name__}")
         ids = []
         after_special = True  # SPM adds its space prefix at the start and after a special
-        for fragment in self.split_special(text, parse_special=bool(parse_special)):
+        for fragment in self._special_splitters[bool(parse_special)].split(text):
             if isinstance(fragment, int):
                 ids.append(fragment)
                 after_special = True
@@ -313,46 +309,9 @@ class GgufTokenizer:
         raise NotImplementedError
 
     def split_special(self, text: str, *, parse_special: bool = False) -> list:
-        """``text`` as a list of plain-text fragments (str) and special-token ids (int).
-
-        llama.cpp's ``tokenizer_st_partition``: each special token, longest first, is cut out
-        of every fragment the longer ones left, leftmost occurrence first. That is not the
-        same as a longest-first regex alternation when occurrences overlap, so occurrences
-        are collected first and then accepted in llama.cpp's order.
-        """
-        starts, prefixes, texts = self._partition[parse_special]
-        if starts is None or not text:
-            return [text] if text else []
-        found = []
-        end = len(text)
-        for match in starts.finditer(text):
-            at = match.start()
-            for stop in range(at + 1, end + 1):
-                candidate = text[at:stop]
-                if candidate not in prefixes:
-                    break
-                token_id = texts.get(candidate)
-                if token_id is not None:
-                    found.append((self._special_rank[token_id], at, stop, token_id))
-        if not found:
-            return [text]
-        found.sort()
-        taken = bytearray(end)
-        accepted = []
-        for _, at, stop, token_id in found:
-            if taken.find(1, at, stop) == -1:
-                taken[at:stop] = b"\x01" * (stop - at)
-                accepted.append((at, stop, token_id))
-        accepted.sort()
-        parts, done = [], 0
-        for at, stop, token_id in accepted:
-            if at > done:
-                parts.append(text[done:at])
-            parts.append(token_id)
-            done = stop
-        if done < end:
-            parts.append(text[done:])
-        return parts
+        """``text`` as a list of plain-text fragments (str) and special-token ids (int), as
+        llama.cpp's ``tokenizer_st_partition`` cuts it (``special_tokens``)."""
+        return self._special_splitters[bool(parse_special)].split(text)
 
     # ------------------------------------------------------------------------ decoding
 
@@ -401,63 +360,11 @@ class GgufTokenizer:
 
     def stream_decoder(self, at_text_start: bool = True, *, stop_strings=(),
                        special: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, at_text_start=at_text_start, stop_strings=stop_strings,
-                             special=special)
-
-
-class StreamDecoder:
-    """Decode one id at a time, returning only text that is final.
-
-    Held back: an incomplete UTF-8 sequence (until it completes, or :meth:`finish`), and a
-    tail that may be the beginning of one of ``stop_strings``. When a stop string completes,
-    the text before it is returned, ``stopped`` becomes True and every later push returns "".
-    Without stop strings the chunks join to ``tokenizer.decode`` of the ids pushed.
-    ``at_text_start=False`` keeps an SPM first piece's leading space (a completion that
-    continues a prompt).
-    """
-
-    def __init__(self, tokenizer: GgufTokenizer, *, at_text_start: bool = True,
-                 stop_strings=(), special: bool = False):
-        if isinstance(stop_strings, str):
-            stop_strings = (stop_strings,)
-        self._tokenizer = tokenizer
-        self._special = special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._strip_space = at_text_start and tokenizer._strips_leading_space
-        self._stops = tuple(s for s in stop_strings if isinstance(s, str) and s)
-        self._pending = ""
-        self.stopped = False
-
-    def push(self, token_id) -> str:
-        if self.stopped:
-            return ""
-        return self._emit(self._utf8.decode(self._tokenizer.token_bytes(token_id,
-                                                                        special=self._special)))
-
-    def finish(self) -> str:
-        """Flush held-back text (an incomplete sequence at the end becomes U+FFFD)."""
-        if self.stopped:
-            return ""
-        text = self._emit(self._utf8.decode(b"", final=True), final=True)
-        return text
-
-    def _emit(self, chunk: str, final: bool = False) -> str:
-        if self._strip_space and chunk:
-            self._strip_space = False
-            if chunk[0] == " ":
-                chunk = chunk[1:]
-        if not self._stops:
-            return chunk
-        text = self._pending + chunk
-        hits = [at for at in (text.find(s) for s in self._stops) if at >= 0]
-        if hits:
-            self.stopped = True
-            self._pending = ""
-            return text[: min(hits)]
-        keep = 0 if final else max((k for s in self._stops for k in range(1, len(s))
-                                    if text.endswith(s[:k])), default=0)
-        self._pending = text[len(text) - keep:] if keep else ""
-        return text[: len(text) - keep]
+        """Decode one id at a time (``stream_decoder.StreamDecoder``); ``at_text_start=False``
+        keeps an SPM first piece's leading space (a completion that continues a prompt)."""
+        return StreamDecoder(lambda token_id: self.token_bytes(token_id, special=special),
+                             strip_leading_space=at_text_start and self._strips_leading_space,
+                             stop_strings=stop_strings)
 
 
 def scores_of(metadata: Mapping, n: int) -> array:
