@@ -16,10 +16,7 @@ class DenseChat:
         if query is not None or tools is not None:
             raise InputError("query/tools: tool-calling prompts need the model's chat template; "
                              "pass prompt= for a raw completion")
-        ids = tokenizer.encode(str(prompt), parse_special=True)
-        if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
-            ids = [tokenizer.bos_id] + ids
-        return ids
+        return tokenizer.encode(str(prompt), parse_special=True, add_special=True)
 
     @staticmethod
     def stop_ids(tokenizer) -> set:
