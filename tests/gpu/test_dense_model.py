@@ -4,6 +4,8 @@ real SmolLM2 file when it is installed."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,20 @@ def test_f16_kv_cache_stays_within_half_precision(synthetic, device):
     assert sum(c.nbytes for c in f16.caches) * 2 == sum(c.nbytes for c in f32.caches)
     with pytest.raises(needle_wgpu.UnsupportedModelError):
         model.gpu.session(kv="int8")
+
+
+def test_cli_generate_json_and_info_on_a_gguf(synthetic, capsys):
+    from needle_wgpu import cli
+
+    path = str(synthetic["llama"])
+    assert cli.main(["generate", path, "--prompt", "ab", "--max-tokens", "3", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] in ("length", "eos") and 1 <= len(out["ids"]) <= 3
+    assert out["prompt_tokens"] >= 1 and set(out["timings"]) >= {"prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert cli.main(["generate", path, "--prompt", "ab", "--max-tokens", "3", "--kv", "int8", "--quiet"]) == 2
+    assert "f32 or f16" in capsys.readouterr().err
+    assert cli.main(["info", path, "--context", "100"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "llama" and info["context"] == 100
+    assert info["kv_bytes"]["f16"] * 2 == info["kv_bytes"]["f32"] == 2 * 100 * 2 * (16 + 16) * 4
+    assert info["quant_bytes"]["Q8_0"] > 0 and sum(info["quant_bytes"].values()) == info["tensor_bytes"]
