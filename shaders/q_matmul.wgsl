@@ -17,26 +17,7 @@
 // Workgroups (rows folded as x + z * num_workgroups.x): gemv (ceil(rows / 4), positions),
 // gemm (ceil(rows / 32), ceil(positions / 32)).
 
-struct Params {
-  rows: u32,        // rows computed by this dispatch
-  row0: u32,        // first row, counted in the bound part
-  side_base: u32,   // word index of the side plane in the part
-  positions: u32,
-  x_stride: u32,    // floats between positions in x (multiple of 4)
-  x_offset: u32,    // float offset of position 0 in x (multiple of 4)
-  y_stride: u32,
-  y_offset: u32,    // float offset of row 0, position 0 in y
-}
-
-@group(0) @binding(0) var<uniform> params: Params;
-@group(0) @binding(1) var<storage, read> weights: array<u32>;
-@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-
-fn word(i: u32) -> u32 {
-  return weights[i];
-}
-
+//#include include/q_matmul_io.wgsl
 //#include include/gguf_blocks.wgsl
 
 const ROW_QUADS: u32 = ROW_BLOCKS * BLOCK_QUADS;
