@@ -2,15 +2,17 @@
 their quantised bits, sessions with a preallocated KV cache, and the prebuilt dispatch plan of
 spec dense-gguf §3 read top to bottom as the model's forward.
 
-Per layer and chunk (12 dispatches)::
+Per layer and chunk (9 dispatches when q/k/v share a quant type and gate/up do, as in SmolLM2;
+at most 12)::
 
     h  = RMSNorm(x; attn_norm)            (fused with the previous residual add)
-    q, k, v = Wq h, Wk h, Wv h             (three q_matmuls into one q | k | v row)
+    q, k, v = Wq h, Wk h, Wv h             (into one q | k | v row; one matmul per run of
+                                            neighbours of one type, stacked into one pack)
     qk_rope: biases, QK-norm, RoPE; K/V into the cache
     attention (causal GQA, sliding window where the layer has one)
     a  = Wo o
     x += a (Gemma: RMSNorm(a; post_attention_norm)); h = RMSNorm(x; ffn_norm)
-    g, u = Wgate h, Wup h;  act = silu(g)·u (Gemma: gelu_tanh(g)·u);  f = Wdown act
+    g, u = Wgate h, Wup h (stacked likewise);  act = silu(g)·u (Gemma: gelu_tanh(g)·u);  f = Wdown act
     x += f (Gemma: RMSNorm(f; post_ffw_norm)), fused with the next layer's norm
 
 then the final norm, the head over the rows that are needed and the sampler.
@@ -142,15 +144,39 @@ class DenseGpu:
         self.layers = []
         for i in range(g.num_layers):
             report("upload", i, g.num_layers)
-            self.layers.append({name: self._upload(f"blk.{i}.{name}.weight")
-                                for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                                             "ffn_down")})
+            names = lambda *parts: [f"blk.{i}.{part}.weight" for part in parts]
+            self.layers.append({"qkv": self._upload_stacked(names("attn_q", "attn_k", "attn_v")),
+                                "out": self._upload(f"blk.{i}.attn_output.weight"),
+                                "gate_up": self._upload_stacked(names("ffn_gate", "ffn_up")),
+                                "down": self._upload(f"blk.{i}.ffn_down.weight")})
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
         report("upload", g.num_layers, g.num_layers)
 
     def _upload(self, name: str) -> qmatmul.QPack:
         t = self.file[name]
         return qmatmul.upload(self.device, name, t.type.name, t.data, rows=t.rows, cols=t.row_width)
+
+    def _upload_stacked(self, names: list) -> list:
+        """Matrices that read the same input and write consecutive parts of one output row
+        (q | k | v, gate | up), as [(pack, first output row)]: neighbours of one type are
+        stacked into one pack (GGUF rows are row-major, so the bytes simply follow each other),
+        so the step runs one matmul for them instead of one each."""
+        groups, at = [], 0
+        for name in names:
+            t = self.file[name]
+            if groups and (groups[-1][0].type, groups[-1][0].row_width) == (t.type, t.row_width):
+                groups[-1][1].append(t)
+            else:
+                groups.append((t, [t], at))
+            at += t.rows
+        out = []
+        for first, tensors, row in groups:
+            data = first.data if len(tensors) == 1 else b"".join(bytes(t.data) for t in tensors)
+            label = "+".join(t.name for t in tensors)
+            pack = qmatmul.upload(self.device, label, first.type.name, data, rows=sum(t.rows for t in tensors),
+                                  cols=first.row_width)
+            out.append((pack, row))
+        return out
 
     def vector(self, name: str) -> int:
         return self.vectors.at[name]
@@ -214,9 +240,9 @@ class DenseSession(ChunkedSession):
                 norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                       positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
                                       label=f"ffn residual + attn_norm {layer}")
-            for tensor, offset in (("attn_q", 0), ("attn_k", g.q_dim), ("attn_v", g.q_dim + g.k_dim)):
-                qmatmul.q_matmul(plan, arena, w[tensor], self.h, self.qkv, positions=T, x_stride=d,
-                                 y_stride=qkv_width, y_offset=offset)
+            for pack, row in w["qkv"]:
+                qmatmul.q_matmul(plan, arena, pack, self.h, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
+                                 y_offset=row)
             shape, vectors = m.shapes[layer], {}
             if shape.norm != "none":
                 vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
@@ -229,20 +255,19 @@ class DenseSession(ChunkedSession):
                                   label=f"qk_rope {layer}", **vectors)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
                                     positions=T, label=f"attention {layer}")
-            qmatmul.q_matmul(plan, arena, w["attn_output"], self.o, self.branch, positions=T, x_stride=g.attn_out,
+            qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=g.attn_out,
                              y_stride=d)
             post = m.vector(name("post_attention_norm.weight")) if gemma else None
             norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                   positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
                                   residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
-            qmatmul.q_matmul(plan, arena, w["ffn_gate"], self.h, self.gate_up, positions=T, x_stride=d,
-                             y_stride=2 * ff)
-            qmatmul.q_matmul(plan, arena, w["ffn_up"], self.h, self.gate_up, positions=T, x_stride=d,
-                             y_stride=2 * ff, y_offset=ff)
+            for pack, row in w["gate_up"]:
+                qmatmul.q_matmul(plan, arena, pack, self.h, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
+                                 y_offset=row)
             ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
                                      positions=T, act="gelu_tanh" if gemma else "silu", gate_stride=2 * ff,
                                      up_stride=2 * ff, up_offset=ff, label=f"ffn act {layer}")
-            qmatmul.q_matmul(plan, arena, w["ffn_down"], self.act, self.branch, positions=T, x_stride=ff,
+            qmatmul.q_matmul(plan, arena, w["down"], self.act, self.branch, positions=T, x_stride=ff,
                              y_stride=d)
         post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if gemma else None
         norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,

@@ -133,3 +133,23 @@ def test_cli_generate_json_and_info_on_a_gguf(synthetic, capsys):
     assert info["architecture"] == "llama" and info["context"] == 100
     assert info["kv_bytes"]["f16"] * 2 == info["kv_bytes"]["f32"] == 2 * 100 * 2 * (16 + 16) * 4
     assert info["quant_bytes"]["Q8_0"] > 0 and sum(info["quant_bytes"].values()) == info["tensor_bytes"]
+
+
+def test_a_decode_step_is_one_submit_and_a_4_byte_readback(synthetic, device):
+    """9 dispatches per layer when q/k/v and gate/up share a quant type (stacked packs), plus
+    the embedding, the final norm, the head and the sampler; one submit; the sampled id is the
+    only readback."""
+    model = needle_wgpu.load(str(synthetic["llama"]), device=device)
+    session = model.gpu.session(context=16)
+    try:
+        session.prefill([1, 2, 3], Sampling.saturate(0.0))
+        c = device.counters
+        before = (c.dispatches, c.submits, c.bytes_read)
+        session.step(Sampling.saturate(0.0))
+        dispatches, submits, read = (a - b for a, b in zip((c.dispatches, c.submits, c.bytes_read), before))
+    finally:
+        session.close()
+    assert (submits, read) == (1, 4)
+    layers = model.geometry.num_layers
+    assert dispatches <= 9 * layers + 5, dispatches
+    assert all(len(w["qkv"]) == 1 and len(w["gate_up"]) == 1 for w in model.gpu.layers)
