@@ -42,6 +42,11 @@ SYNTH = {
     "llama": (SynthDense(arch="llama"), "bytes"),
     "qwen2": (SynthDense(arch="qwen2", output_bias=True), "bytes"),
     "qwen3": (SynthDense(arch="qwen3", head_dim=32), "auto"),
+    # MoE (§3): 8 experts, top-2 (synth_gguf's defaults); olmoe untied, full-width QK-norm.
+    # qwen3moe's tied head at the default gain predicts the last input token 12 times in 46
+    # (one over the non-degeneracy bound): a stronger layer contribution, 2 in 46.
+    "qwen3moe": (SynthDense(arch="qwen3moe", layer_gain=2.0), "bytes"),
+    "olmoe": (SynthDense(arch="olmoe"), "bytes"),
 }
 # KL(llama.cpp || reference) bounds. llama.cpp's CPU backend multiplies quantised weights by
 # activations rounded to 8 bits (Q8_0 / Q8_1 blocks); that, not the graph, is the gap: on F32
