@@ -251,7 +251,7 @@ class DenseSession(ChunkedSession):
                                   positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
                                   residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
             if g.is_moe:
-                self._moe_ffn(plan, arena, w, T, label=f"ffn act {layer}")
+                self._moe_ffn(plan, arena, w, T, layer)
             else:
                 self._dense_ffn(plan, arena, w, T, act="gelu_tanh" if gemma else "silu", label=f"ffn act {layer}")
         post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if gemma else None
@@ -283,7 +283,7 @@ class DenseSession(ChunkedSession):
         qmatmul.q_matmul(plan, arena, w["ffn_down"], self.act, self.branch, positions=T, x_stride=ff,
                          y_stride=d)
 
-    def _moe_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, label: str) -> None:
+    def _moe_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, layer: int) -> None:
         """branch = Σ_j w_j Wdown_e (silu(Wgate_e h) · Wup_e h) over each position's top-k experts
         (§3.2 MoE); gate_up and act hold one row per (position, selected expert)."""
         g = self.model.geometry
@@ -291,12 +291,12 @@ class DenseSession(ChunkedSession):
         qmatmul.q_matmul(plan, arena, w["ffn_gate_inp"], self.h, self.router_logits, positions=T, x_stride=d,
                          y_stride=experts)
         moe_ops.route(plan, arena, logits=self.router_logits, routes=self.routes, positions=T, experts=experts,
-                      used=used, renormalise=g.arch in RENORMALISED_MOE)
+                      used=used, renormalise=g.arch in RENORMALISED_MOE, label=f"moe route {layer}")
         for name, offset in (("ffn_gate_exps", 0), ("ffn_up_exps", ff)):
             moe_ops.routed_matmul(plan, arena, w[name], self.routes, self.h, self.gate_up, experts=experts,
                                   used=used, positions=T, combine=False, x_stride=d, y_stride=2 * ff, y_offset=offset)
         ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
                                  positions=T * used, act="silu", gate_stride=2 * ff, up_stride=2 * ff,
-                                 up_offset=ff, label=label)
+                                 up_offset=ff, label=f"ffn act {layer}")
         moe_ops.routed_matmul(plan, arena, w["ffn_down_exps"], self.routes, self.act, self.branch, experts=experts,
                               used=used, positions=T, combine=True, x_stride=ff, y_stride=d)
