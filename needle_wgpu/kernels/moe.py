@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ..errors import DeviceLimitError
 from ..gpu.device import Binding, KernelKey, Plan, UniformArena
+from .packs import PART_SLACK
 from .qmatmul import QPack, _block_consts
 
 ROUTER_THREADS = 64
@@ -26,6 +27,13 @@ ROUTE_WORDS = 2                # (expert id, weight) per route
 
 def routes_bytes(positions: int, used: int) -> int:
     return 4 * ROUTE_WORDS * positions * used
+
+
+def check_expert_bytes(name: str, nbytes: int, limit: int) -> None:
+    """Before upload: an expert tensor of ``nbytes`` must fit one binding of ``limit`` bytes."""
+    if nbytes > limit - PART_SLACK:
+        raise DeviceLimitError(f"{name}: {nbytes} bytes of experts exceed this device's storage binding "
+                               f"limit {limit} (expert tensors are not split)")
 
 
 def check_expert_pack(pack: QPack, experts: int) -> None:

@@ -142,6 +142,9 @@ class DenseGpu:
         self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
         for shape in self.shapes:
             shape.check()
+        ffn = MOE_FFN if g.is_moe else DENSE_FFN
+        for name in MOE_FFN[1:] if g.is_moe else ():  # every layer's experts have layer 0's size
+            moe_ops.check_expert_bytes(name, f[f"blk.0.{name}.weight"].nbytes, device.limits.max_storage_binding)
         weights_before = device.counters.bytes_allocated.get("weights", 0)
         vectors = [name for name, ne in g.tensors() if len(ne) == 1]
         self.vectors = _Vectors(f, vectors)
@@ -150,13 +153,10 @@ class DenseGpu:
         self.embedding = self._upload("token_embd.weight")
         self.head = self.embedding if g.tied_head else self._upload("output.weight")
         self.layers = []
-        ffn = MOE_FFN if g.is_moe else DENSE_FFN
         for i in range(g.num_layers):
             report("upload", i, g.num_layers)
             self.layers.append({name: self._upload(f"blk.{i}.{name}.weight")
                                 for name in ("attn_q", "attn_k", "attn_v", "attn_output") + ffn})
-            for name in MOE_FFN[1:] if g.is_moe else ():
-                moe_ops.check_expert_pack(self.layers[-1][name], g.num_experts)
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
         report("upload", g.num_layers, g.num_layers)
 

@@ -115,3 +115,16 @@ def test_swapping_the_renormalisation_rule_is_caught(arch, moe_files, device, mo
     monkeypatch.setattr(dense_model, "RENORMALISED_MOE", () if arch == "qwen3moe" else ("qwen3moe", arch))
     swapped_engine = np.array(needle_wgpu.load(str(path), device=device).logits(ids, context=len(ids)), np.float32)
     assert nmse(swapped_engine, swapped) < 1e-8 < nmse(swapped_engine, correct)
+
+
+def test_experts_above_the_binding_limit_are_refused_before_upload(moe_files):
+    """Expert tensors are read through one binding (kernels/moe.py): a device whose limit is
+    below one expert tensor refuses the file at load with nothing uploaded."""
+    from needle_wgpu.gpu import open_device
+
+    path = moe_files["qwen3moe"]
+    small = open_device(max_storage_binding=32768)  # the Q8_0 experts: 8 x 128 x 64 -> 69,632 bytes
+    before = dict(small.counters.bytes_allocated)
+    with pytest.raises(needle_wgpu.DeviceLimitError, match="ffn_gate_exps"):
+        needle_wgpu.load(str(path), device=small)
+    assert small.counters.bytes_allocated.get("weights", 0) == before.get("weights", 0)
