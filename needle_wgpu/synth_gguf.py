@@ -1,10 +1,12 @@
 """Tiny random dense GGUF files for tests (spec dense-gguf.md §9, "without a real file").
 
 `write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic llama / qwen2 /
-qwen3 model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
+qwen3 / qwen3moe / olmoe model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
 (Q8_0 by default), norms and biases in F32, and SmolLM2's tokenizer metadata when the SmolLM2
 file is installed (else a minimal byte-level vocabulary). NumPy and PyPI `gguf` are needed
-(test-time only, like `synth.py`).
+(test-time only, like `synth.py`). MoE files have `n_expert` experts (8 by default) of width
+`n_ff`, top-`n_expert_used` (2); the router `ffn_gate_inp` stays F32 (as converters keep it), so
+llama.cpp's 8-bit activations do not move the routing.
 
 Weight scales are chosen so the outputs are not degenerate: the layers' contributions to the
 residual stream are comparable to the embedding, so the next token is not simply the last one,
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
+MOE_ARCHS = ("qwen3moe", "olmoe")
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
 
 
@@ -46,15 +49,20 @@ class SynthDense:
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
     layer_gain: float = 1.5     # attn_output / ffn_down outputs relative to a unit-RMS input
+    n_expert: int = 8           # MoE archs only
+    n_expert_used: int = 2
+    router_scale: float = 1.5   # router logits' spread for a unit-RMS input (well-separated top-k)
 
     def resolved(self) -> "SynthDense":
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.qtype not in QTYPES:
             raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
-        tied = self.tied if self.tied is not None else self.arch != "qwen2"
+        tied = self.tied if self.tied is not None else self.arch not in ("qwen2", "olmoe")
         eps = self.eps if self.eps is not None else (1e-5 if self.arch == "llama" else 1e-6)
-        return replace(self, tied=tied, eps=eps)
+        # llama.cpp's olmoe loader wants attn_k_norm [d]: no GQA (OLMoE has none)
+        kv_heads = self.n_head if self.arch == "olmoe" else self.n_head_kv
+        return replace(self, tied=tied, eps=eps, n_head_kv=kv_heads)
 
 
 # ---------------------------------------------------------------------------------- tokenizer
@@ -189,11 +197,22 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
             t[b + "attn_q.bias"] = _bias(rng, q_width)
             t[b + "attn_k.bias"] = _bias(rng, kv_width)
             t[b + "attn_v.bias"] = _bias(rng, kv_width)
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "qwen3moe"):
             t[b + "attn_q_norm.weight"] = _norm(rng, s.head_dim)
             t[b + "attn_k_norm.weight"] = _norm(rng, s.head_dim)
+        if s.arch == "olmoe":  # full width, before the head split (§2)
+            t[b + "attn_q_norm.weight"] = _norm(rng, q_width)
+            t[b + "attn_k_norm.weight"] = _norm(rng, kv_width)
         t[b + "attn_output.weight"] = _matrix(rng, d, q_width, s.layer_gain / np.sqrt(q_width))
         t[b + "ffn_norm.weight"] = _norm(rng, d)
+        if s.arch in MOE_ARCHS:
+            e, ff = s.n_expert, s.n_ff
+            t[b + "ffn_gate_inp.weight"] = _matrix(rng, e, d, s.router_scale / np.sqrt(d))
+            t[b + "ffn_gate_exps.weight"] = (rng.standard_normal((e, ff, d)) / np.sqrt(d)).astype(np.float32)
+            t[b + "ffn_up_exps.weight"] = (rng.standard_normal((e, ff, d)) / np.sqrt(d)).astype(np.float32)
+            t[b + "ffn_down_exps.weight"] = (rng.standard_normal((e, d, ff))
+                                             * (s.layer_gain / 0.6 / np.sqrt(ff))).astype(np.float32)
+            continue
         t[b + "ffn_gate.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
         t[b + "ffn_up.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
         # silu(g)·u of unit-variance g, u has RMS ~0.6: scale down by it to keep layer_gain
@@ -231,10 +250,15 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     writer.add_float32(f"{a}.rope.freq_base", s.rope_base)
     writer.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
     writer.add_uint32(f"{a}.vocab_size", len(tokens))
+    if a in MOE_ARCHS:
+        writer.add_uint32(f"{a}.expert_count", s.n_expert)
+        writer.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+        if a == "qwen3moe":
+            writer.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff)
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():
-        if value.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        if value.ndim == 1 or qtype == GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(name, value)
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, value.astype(np.float16))

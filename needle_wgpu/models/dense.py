@@ -1,5 +1,5 @@
-"""The dense GGUF family on the GPU (Llama, Qwen2, Qwen3, Gemma 3): weights uploaded once in
-their quantised bits, sessions with a preallocated KV cache, and the prebuilt dispatch plan of
+"""The dense GGUF family on the GPU (Llama, Qwen2, Qwen3, Gemma 3, the MoE Qwen3-MoE and OLMoE):
+weights uploaded once in their quantised bits, sessions with a preallocated KV cache, and the prebuilt dispatch plan of
 spec dense-gguf §3 read top to bottom as the model's forward.
 
 Per layer and chunk (9 dispatches when q/k/v share a quant type and gate/up do, as in SmolLM2;
@@ -14,6 +14,11 @@ at most 12)::
     x += a (Gemma: RMSNorm(a; post_attention_norm)); h = RMSNorm(x; ffn_norm)
     g, u = Wgate h, Wup h (stacked likewise);  act = silu(g)·u (Gemma: gelu_tanh(g)·u);  f = Wdown act
     x += f (Gemma: RMSNorm(f; post_ffw_norm)), fused with the next layer's norm
+
+MoE layers (qwen3moe, olmoe; 14 dispatches) replace the FFN's four: router logits = Wgate_inp h;
+routes (top-k expert ids and weights, on the GPU); g, u = the routed experts' Wgate_e h, Wup_e h
+(only the selected experts' rows, ids read from the routes buffer); act; f = Σ_j w_j Wdown_e act_j.
+Nothing of the routing is read back: a decode step stays one submit.
 
 then the final norm, the head over the rows that are needed and the sampler.
 """
@@ -31,6 +36,7 @@ from ..formats.gguf_tokenizer import tokenizer_from_gguf
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
 from ..kernels import ffn as ffn_ops
+from ..kernels import moe as moe_ops
 from ..kernels import norm as norm_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
@@ -41,6 +47,8 @@ KV_MODES = ("f32", "f16")  # f16: IEEE halves packed in words (core WGSL, no sha
 DEFAULT_CONTEXT = 4096  # a session's KV cache unless a longer one is asked for (the file may allow 128k)
 F32 = 4
 ALIGN = 64  # floats: every vector in the norms buffer starts on a 256-byte boundary
+RENORMALISED_MOE = ("qwen3moe",)  # §3 MoE: top-k weights divided by their sum; olmoe keeps the probabilities
+MOE_FFN = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def sniff(head: bytes) -> bool:
@@ -74,8 +82,10 @@ def describe(parsed: DenseFile, context: int | None = None) -> dict:
         mix[t.type.name] = mix.get(t.type.name, 0) + t.nbytes
     context = default_context(g) if context is None else clamp_context(context, g.max_seq_len)
     weights = sum(f[name].nbytes for name, _ in g.tensors())
+    experts = ({"count": g.num_experts, "used": g.num_experts_used, "width": g.ff_dim,
+                "renormalised": g.arch in RENORMALISED_MOE} if g.is_moe else None)
     return {"family": "dense", "architecture": g.arch,
-            "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
+            "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__}, "experts": experts,
             "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
             "context": context, "kv_bytes": {mode: kv_bytes(g, context, mode) for mode in KV_MODES},
             "tokenizer": f.get_str("tokenizer.ggml.model", None)}
@@ -132,6 +142,8 @@ class DenseGpu:
         self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
         for shape in self.shapes:
             shape.check()
+        for name in MOE_FFN[1:] if g.is_moe else ():  # every layer's experts have layer 0's size
+            moe_ops.check_expert_bytes(name, f[f"blk.0.{name}.weight"].nbytes, device.limits.max_storage_binding)
         weights_before = device.counters.bytes_allocated.get("weights", 0)
         vectors = [name for name, ne in g.tensors() if len(ne) == 1]
         self.vectors = _Vectors(f, vectors)
@@ -139,16 +151,18 @@ class DenseGpu:
                                            kind="weights")
         self.embedding = self._upload("token_embd.weight")
         self.head = self.embedding if g.tied_head else self._upload("output.weight")
-        if g.is_moe:
-            raise UnsupportedModelError(f"architecture {g.arch!r}: mixture-of-experts layers are not supported yet")
         self.layers = []
         for i in range(g.num_layers):
             report("upload", i, g.num_layers)
             names = lambda *parts: [f"blk.{i}.{part}.weight" for part in parts]
-            self.layers.append({"qkv": self._upload_stacked(names("attn_q", "attn_k", "attn_v")),
-                                "out": self._upload(f"blk.{i}.attn_output.weight"),
-                                "gate_up": self._upload_stacked(names("ffn_gate", "ffn_up")),
-                                "down": self._upload(f"blk.{i}.ffn_down.weight")})
+            weights = {"qkv": self._upload_stacked(names("attn_q", "attn_k", "attn_v")),
+                       "out": self._upload(f"blk.{i}.attn_output.weight")}
+            if g.is_moe:
+                weights.update({name: self._upload(f"blk.{i}.{name}.weight") for name in MOE_FFN})
+            else:
+                weights.update(gate_up=self._upload_stacked(names("ffn_gate", "ffn_up")),
+                               down=self._upload(f"blk.{i}.ffn_down.weight"))
+            self.layers.append(weights)
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
         report("upload", g.num_layers, g.num_layers)
 
@@ -201,7 +215,8 @@ class DenseSession(ChunkedSession):
         dev = self.device
         self.logit_rows = g.head_rows
         qkv_width = g.q_dim + g.k_dim + g.v_dim
-        widest = F32 * max(g.head_rows, qkv_width, 2 * g.ff_dim, g.d_model)
+        routed = max(1, g.num_experts_used)  # MoE: each position's gate | up rows per selected expert
+        widest = F32 * max(g.head_rows, qkv_width, 2 * g.ff_dim * routed, g.d_model)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
         self.x = s(g.d_model, "residual")
@@ -210,8 +225,11 @@ class DenseSession(ChunkedSession):
         self.q = s(g.q_dim, "q")
         self.o = s(g.attn_out, "attention")
         self.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
-        self.gate_up = s(2 * g.ff_dim, "gate_up")
-        self.act = s(g.ff_dim, "act")
+        self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
+        self.act = s(g.ff_dim * routed, "act")
+        if g.is_moe:
+            self.router_logits = s(g.num_experts, "router_logits")
+            self.routes = dev.buffer(moe_ops.routes_bytes(T, routed), label="routes", kind="scratch")
         self.logits = s(g.head_rows, "logits")
         self.caches = [attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                        for i, shape in enumerate(model.shapes)]
@@ -227,7 +245,6 @@ class DenseSession(ChunkedSession):
         embed_scale = sqrt(d) if gemma else 1.0
         qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
         qkv_width = g.q_dim + g.k_dim + g.v_dim
-        ff = g.ff_dim
         for layer in range(g.num_layers):
             w = m.layers[layer]
             name = lambda n: f"blk.{layer}.{n}"
@@ -261,14 +278,10 @@ class DenseSession(ChunkedSession):
             norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                   positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
                                   residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
-            for pack, row in w["gate_up"]:
-                qmatmul.q_matmul(plan, arena, pack, self.h, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
-                                 y_offset=row)
-            ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
-                                     positions=T, act="gelu_tanh" if gemma else "silu", gate_stride=2 * ff,
-                                     up_stride=2 * ff, up_offset=ff, label=f"ffn act {layer}")
-            qmatmul.q_matmul(plan, arena, w["down"], self.act, self.branch, positions=T, x_stride=ff,
-                             y_stride=d)
+            if g.is_moe:
+                self._moe_ffn(plan, arena, w, T, layer)
+            else:
+                self._dense_ffn(plan, arena, w, T, act="gelu_tanh" if gemma else "silu", label=f"ffn act {layer}")
         post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if gemma else None
         norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                               positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
@@ -284,3 +297,33 @@ class DenseSession(ChunkedSession):
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=key.sample)
         return plan
+
+    def _dense_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, act: str, label: str) -> None:
+        """branch = Wdown (act(Wgate h) · Wup h) (§3.2)."""
+        d, ff = self.model.geometry.d_model, self.model.geometry.ff_dim
+        for pack, row in w["gate_up"]:
+            qmatmul.q_matmul(plan, arena, pack, self.h, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
+                             y_offset=row)
+        ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
+                                 positions=T, act=act, gate_stride=2 * ff, up_stride=2 * ff, up_offset=ff,
+                                 label=label)
+        qmatmul.q_matmul(plan, arena, w["down"], self.act, self.branch, positions=T, x_stride=ff,
+                         y_stride=d)
+
+    def _moe_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, layer: int) -> None:
+        """branch = Σ_j w_j Wdown_e (silu(Wgate_e h) · Wup_e h) over each position's top-k experts
+        (§3.2 MoE); gate_up and act hold one row per (position, selected expert)."""
+        g = self.model.geometry
+        d, ff, experts, used = g.d_model, g.ff_dim, g.num_experts, g.num_experts_used
+        qmatmul.q_matmul(plan, arena, w["ffn_gate_inp"], self.h, self.router_logits, positions=T, x_stride=d,
+                         y_stride=experts)
+        moe_ops.route(plan, arena, logits=self.router_logits, routes=self.routes, positions=T, experts=experts,
+                      used=used, renormalise=g.arch in RENORMALISED_MOE, label=f"moe route {layer}")
+        for name, offset in (("ffn_gate_exps", 0), ("ffn_up_exps", ff)):
+            moe_ops.routed_matmul(plan, arena, w[name], self.routes, self.h, self.gate_up, experts=experts,
+                                  used=used, positions=T, combine=False, x_stride=d, y_stride=2 * ff, y_offset=offset)
+        ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
+                                 positions=T * used, act="silu", gate_stride=2 * ff, up_stride=2 * ff,
+                                 up_offset=ff, label=f"ffn act {layer}")
+        moe_ops.routed_matmul(plan, arena, w["ffn_down_exps"], self.routes, self.act, self.branch, experts=experts,
+                              used=used, positions=T, combine=True, x_stride=ff, y_stride=d)

@@ -1,4 +1,5 @@
-"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3 (spec dense-gguf.md §1-§3).
+"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3 and the MoE pair qwen3moe, olmoe
+(spec dense-gguf.md §1-§3).
 
 The oracle the GPU engine's dense kernels are tested against, itself checked against llama.cpp
 (tests/test_dense_reference.py). Float32 by default; `dtype=np.float64` runs the same graph on
@@ -33,15 +34,19 @@ class ArchRules:
     """What one architecture changes in the §3 graph."""
 
     rope_style: str                  # rope.ADJACENT (llama) or rope.NEOX (§3 RoPE)
-    qk_norm: str | None = None       # "head": per-head RMSNorm over head_dim (qwen3, qwen3moe)
+    qk_norm: str | None = None       # "head": per-head RMSNorm over head_dim (qwen3, qwen3moe);
+                                     # "full": over the whole q / k row before the head split (olmoe)
     qkv_bias: bool = False           # attn_{q,k,v}.bias required (qwen2); elsewhere used if present
-    ffn: str = "dense"               # a key of FFNS (MoE adds "moe")
+    ffn: str = "dense"               # a key of FFNS ("dense" or "moe")
+    renormalise: bool = False        # MoE: top-k weights divided by their sum (qwen3moe, not olmoe)
 
 
 ARCHITECTURES = {
     "llama": ArchRules(rope.ADJACENT),
     "qwen2": ArchRules(rope.NEOX, qkv_bias=True),
     "qwen3": ArchRules(rope.NEOX, qk_norm="head"),
+    "qwen3moe": ArchRules(rope.NEOX, qk_norm="head", ffn="moe", renormalise=True),
+    "olmoe": ArchRules(rope.NEOX, qk_norm="full", ffn="moe"),
 }
 
 
@@ -67,6 +72,8 @@ class DenseConfig:
     vocab: int
     context: int
     tied: bool         # no output.weight: the embedding is the head (§2)
+    n_expert: int = 0       # MoE (§1): expert_count; n_ff is then one expert's width
+    n_expert_used: int = 0  # expert_used_count (top-k)
 
     @property
     def rules(self) -> ArchRules:
@@ -103,8 +110,9 @@ class DenseConfig:
                 or v_rows != n_head_kv * value_dim:
             bad(f"q/k/v widths {q_rows}/{k_rows}/{v_rows} do not fit {n_head}/{n_head_kv} heads of "
                 f"{head_dim}/{value_dim}")
-        n_ff = w.shape("blk.0.ffn_gate.weight")[0]
-        if int(key("feed_forward_length", n_ff)) != n_ff:
+        experts = _moe_experts(w, arch, key, bad) if ARCHITECTURES[arch].ffn == "moe" else (0, 0, 0)
+        n_ff = experts[2] if experts[0] else w.shape("blk.0.ffn_gate.weight")[0]
+        if not experts[0] and int(key("feed_forward_length", n_ff)) != n_ff:
             bad(f"feed_forward_length {key('feed_forward_length')} != ffn_gate rows {n_ff}")
         rope_dims = int(key("rope.dimension_count", head_dim))
         if rope_dims % 2 or not 0 < rope_dims <= head_dim:
@@ -117,7 +125,22 @@ class DenseConfig:
                    eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
                    rope_base=float(key("rope.freq_base", 10000.0)), rope_dims=rope_dims,
                    vocab=vocab, context=int(key("context_length", 2048)),
-                   tied=not w.has("output.weight"))
+                   tied=not w.has("output.weight"), n_expert=experts[0], n_expert_used=experts[1])
+
+
+def _moe_experts(w: GgufWeights, arch: str, key, bad) -> tuple[int, int, int]:
+    """(expert_count, expert_used_count, expert width) of a MoE file (§1, §2), the width taken
+    from ffn_gate_exps [n_expert, n_ff, d] and checked against the keys."""
+    if not w.has("blk.0.ffn_gate_exps.weight"):
+        bad("tensor blk.0.ffn_gate_exps.weight is missing")
+    n_expert, n_ff = w.shape("blk.0.ffn_gate_exps.weight")[:2]
+    used = int(key("expert_used_count", 0))
+    if int(key("expert_count", n_expert)) != n_expert or not 0 < used <= n_expert:
+        bad(f"expert_count {key('expert_count')} / expert_used_count {used} do not fit {n_expert} experts")
+    width_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    if key(width_key) is not None and int(key(width_key)) != n_ff:
+        bad(f"{width_key} {key(width_key)} != expert width {n_ff}")
+    return n_expert, used, n_ff
 
 
 # ---------------------------------------------------------------------------------- primitives
@@ -202,9 +225,23 @@ class LayerWeights:
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray
+    gate: np.ndarray | None    # the dense FFN (None in MoE layers)
+    up: np.ndarray | None
+    down: np.ndarray | None
+    moe: "MoeWeights | None" = None
+
+
+@dataclass
+class MoeWeights:
+    """A MoE layer's router and experts (§2): gate_inp [n_expert, d]; gate/up [n_expert, n_ff, d]
+    and down [n_expert, d, n_ff], the expert axis slowest."""
+
+    gate_inp: np.ndarray
     gate: np.ndarray
     up: np.ndarray
     down: np.ndarray
+    used: int              # top-k
+    renormalise: bool      # qwen3moe: w_j = p_j / max(sum, RENORM_FLOOR); olmoe: w_j = p_j
 
 
 def dense_ffn(z: np.ndarray, p: LayerWeights) -> np.ndarray:
@@ -212,7 +249,37 @@ def dense_ffn(z: np.ndarray, p: LayerWeights) -> np.ndarray:
     return matmul(silu(matmul(z, p.gate)) * matmul(z, p.up), p.down)
 
 
-FFNS = {"dense": dense_ffn}
+RENORM_FLOOR = 6.103515625e-5  # 2^-14: llama.cpp clamps the top-k sum from below by it (§3.2 MoE)
+
+
+def moe_route(z: np.ndarray, m: MoeWeights) -> tuple[np.ndarray, np.ndarray]:
+    """(expert ids [T, k], weights [T, k]) of each position (§3.2 MoE): router logits
+    gate_inp z, softmax over all experts, the k most probable (ties to the lower index), in
+    order of probability; qwen3moe renormalises the k weights, olmoe keeps the probabilities."""
+    probs = softmax(matmul(z, m.gate_inp))
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, : m.used]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if m.renormalise:
+        total = np.sum(weights, axis=-1, keepdims=True)
+        weights = weights / np.maximum(total, weights.dtype.type(RENORM_FLOOR))
+    return ids, weights
+
+
+def moe_ffn(z: np.ndarray, p: LayerWeights) -> np.ndarray:
+    """Σ_j w_j Wdown_e(silu(Wgate_e z) ⊙ Wup_e z) over each position's selected experts e_j,
+    summed in order of selection (§3.2 MoE)."""
+    m = p.moe
+    ids, weights = moe_route(z, m)
+    out = np.zeros_like(z)
+    for t in range(z.shape[0]):
+        zt = z[t: t + 1]
+        for e, w in zip(ids[t], weights[t]):
+            act = silu(matmul(zt, m.gate[e])) * matmul(zt, m.up[e])
+            out[t] += w * matmul(act, m.down[e])[0]
+    return out
+
+
+FFNS = {"dense": dense_ffn, "moe": moe_ffn}
 
 
 class DenseKvCache:
@@ -277,9 +344,15 @@ class DenseReference:
                          wv=t("attn_v.weight"), bq=opt("attn_q.bias"), bk=opt("attn_k.bias"),
                          bv=opt("attn_v.bias"), wo=t("attn_output.weight"), bo=opt("attn_output.bias"),
                          q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
-                         ffn_norm=t("ffn_norm.weight"), gate=t("ffn_gate.weight"), up=t("ffn_up.weight"),
-                         down=t("ffn_down.weight"))
-        if self.config.rules.qk_norm == "head" and (p.q_norm is None or p.k_norm is None):
+                         ffn_norm=t("ffn_norm.weight"), gate=opt("ffn_gate.weight"), up=opt("ffn_up.weight"),
+                         down=opt("ffn_down.weight"))
+        if self.config.rules.ffn == "moe":
+            p.moe = MoeWeights(gate_inp=t("ffn_gate_inp.weight"), gate=t("ffn_gate_exps.weight"),
+                               up=t("ffn_up_exps.weight"), down=t("ffn_down_exps.weight"),
+                               used=self.config.n_expert_used, renormalise=self.config.rules.renormalise)
+        elif p.gate is None or p.up is None or p.down is None:
+            raise ContainerError(f"{w.path.name}: layer {i} lacks ffn_gate/ffn_up/ffn_down")
+        if self.config.rules.qk_norm and (p.q_norm is None or p.k_norm is None):
             raise ContainerError(f"{w.path.name}: layer {i} lacks attn_q_norm/attn_k_norm")
         if self.dtype == np.float32:
             self._layers[i] = p
@@ -328,6 +401,8 @@ class DenseReference:
             q, k, v = matmul(h, p.wq), matmul(h, p.wk), matmul(h, p.wv)
             if p.bq is not None:                                                      # qwen2
                 q, k, v = q + p.bq, k + p.bk, v + p.bv
+            if rules.qk_norm == "full":                                               # olmoe
+                q, k = rms_norm(q, p.q_norm, cfg.eps), rms_norm(k, p.k_norm, cfg.eps)
             q = q.reshape(T, cfg.n_head, cfg.head_dim)
             k = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
             v = v.reshape(T, cfg.n_head_kv, cfg.value_dim)
