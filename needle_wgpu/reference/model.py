@@ -21,7 +21,7 @@ from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
-from .heads import ProbePool, probe_logit
+from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit
 from .ops import F32, causal_conv, conv_tail, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
 
@@ -113,25 +113,41 @@ class ReferenceModel:
             raise ContextFullError(f"context full: all {cache.capacity} positions are used")
         return self.prefill([token_id], cache)[0]
 
-    def confidence_logit(self, ids) -> float:
-        """The confidence head's logit (§7) for a scored sequence (prompt + completion, BOS first).
+    def head_output(self, code: int, ids) -> np.ndarray:
+        """The output of the probe head with manifest code ``code`` (§7, §U a) for a sequence
+        (BOS first): [1] confidence logit, [3] router logits, [embedding_dim] unit embedding.
 
-        Cells are produced chunk by chunk and folded into a streaming `ProbePool`. Every position
-        counts: a single unpadded sequence has no pad positions to mask.
+        Cells are produced chunk by chunk and folded into a streaming `ProbePool`; positions
+        holding the pad id 0 are dropped from the probe softmax (§U a). The cells themselves
+        come from the generation pass, which masks by position only (exact while no id 0 occurs).
         """
-        head = self.weights.confidence
+        head = self.weights.heads.get(code)
         if head is None:
-            raise UnsupportedModelError("this model file exports no confidence head (§7)")
+            name = {EMBEDDING: "embedding", CONFIDENCE: "confidence", ROUTER: "router"}.get(code, str(code))
+            raise UnsupportedModelError(f"this model file exports no {name} head (§7)")
         tokens = self._checked_sequence(ids)
-        if len(tokens) == 0:
-            raise InputError("confidence needs at least one token")
+        keep = keep_positions(tokens)
+        if not keep.any():
+            raise InputError("a probe head needs at least one token that is not the pad id 0")
         g = self.geometry
         pool = ProbePool(head, g.num_layers + 1, g.d_model)
         cache = self.new_cache()
         for lo in range(0, len(tokens), PREFILL_CHUNK):
             _, cells = self._forward_chunk(tokens[lo : lo + PREFILL_CHUNK], cache.length, cache)
-            pool.update(cells)
-        return pool.logit()
+            pool.update(cells, keep[lo : lo + PREFILL_CHUNK])
+        return pool.output()
+
+    def confidence_logit(self, ids) -> float:
+        """The confidence head's logit (§7) for a scored sequence (prompt + completion, BOS first)."""
+        return float(self.head_output(CONFIDENCE, ids)[0])
+
+    def embedding(self, ids) -> np.ndarray:
+        """The embedding head's L2-normalised vector (§7, §U a)."""
+        return self.head_output(EMBEDDING, ids)
+
+    def route(self, ids) -> tuple:
+        """The router head's three raw logits and its stored calibration (§U a)."""
+        return self.head_output(ROUTER, ids), self.weights.heads[ROUTER].calibration
 
     def confidence(self, ids) -> float:
         """Probability σ(logit) of the confidence head (§7 step 3)."""
@@ -142,7 +158,8 @@ class ReferenceModel:
         head = self.weights.confidence
         if head is None:
             raise UnsupportedModelError("this model file exports no confidence head (§7)")
-        return probe_logit(self.forward_cells(ids), head)
+        tokens = self._checked_sequence(ids)
+        return probe_logit(self.forward_cells(tokens), head, keep_positions(tokens))
 
     # ------------------------------------------------------------------ the graph (§4)
 
@@ -187,6 +204,8 @@ class ReferenceModel:
     def _engram(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache | None) -> list:
         """Keys and convolved values [T, d] of every Engram site, computed before the layers (§4.2)."""
         g = self.geometry
+        if not self.weights.engram:  # a model without Engram (§U c)
+            return []
         if cache is not None:
             history = cache.token_history
         else:
