@@ -63,3 +63,50 @@ def test_pad_positions_leave_the_probe_softmax():
     kept = probe_logit(cells, head, np.array(ids) != 0)
     assert abs(model.confidence_logit(ids) - kept) < 1e-5
     assert abs(probe_logit(cells, head) - kept) > 1e-4
+
+
+# ----------------------------------------------------------------------------------- other valid files (§U b, c)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "no-engram", "wide-sub", "narrow-fetch"])
+def test_valid_variants_load_and_run(kind):
+    from upstream_fixtures import variant
+
+    f = cact.load(variant(kind))
+    model = ReferenceModel(f)
+    logits = model.forward_sequence([2, 17, 40, 9, 300, 12])
+    assert logits.shape == (6, 500) and np.isfinite(logits).all()
+    base = ReferenceModel(cact.load(upstream_file("small"))).forward_sequence([2, 17, 40, 9, 300, 12])
+    assert np.abs(logits - base).max() > 1e-3  # the change reaches the logits
+    if kind == "mixed":
+        assert {f[n].bits for n in ("layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj",
+                                    "layers.0.gate_proj")} == {1, 2, 3, 5}
+    if kind == "no-engram":
+        assert f.geometry.engram_sites == () and "engram.0.tables" not in f
+    if kind == "wide-sub":
+        assert f["engram.0.tables"].num_groups == 2
+    if kind == "narrow-fetch":
+        assert f.geometry.engram_width == 255 and f["engram.0.key_proj"].shape == (256, 255)
+
+
+def test_binary_cq_matches_its_dense_matrix():
+    """1-bit CQ (§U b): codes 0/1 read as ∓sqrt(2/π)/sqrt(G); the rotated-domain product equals
+    the product with the dequantised matrix."""
+    from needle_wgpu.formats.cact_writer import Record
+    from needle_wgpu.formats.cq_codec import cq_decode, levels_for
+    from needle_wgpu.reference import cq
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 1, (16, 256)).astype(np.float32)
+    r = Record.cq("w", w, 1, 128)
+    assert len(r.blob) == 16 * (256 // 8 + 2 * 2)
+    levels = levels_for(1, group=128)
+    np.testing.assert_allclose(levels, [-np.sqrt(2 / np.pi) / np.sqrt(128), np.sqrt(2 / np.pi) / np.sqrt(128)],
+                               rtol=1e-6)
+    dense = cq_decode(r.blob, 16, 256, 1, 128, levels)
+    assert np.corrcoef(dense.ravel(), w.ravel())[0, 1] > 0.7  # a 1-bit code still follows w
+    packed = np.frombuffer(r.blob[: 16 * 32], np.uint8).reshape(16, 32)
+    norms = np.frombuffer(r.blob[16 * 32 :], "<f2").astype(np.float32).reshape(16, 2)
+    matrix = cq.CQMatrix(16, 256, 128, 1, packed, norms, cq.level_table(1, 128, ()))
+    x = rng.normal(0, 1, (3, 256)).astype(np.float32)
+    np.testing.assert_allclose(cq.matmul(matrix, x), x @ dense.T, rtol=1e-4, atol=1e-4)

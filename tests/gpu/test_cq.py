@@ -38,7 +38,7 @@ class FakeCact:
 
 def run_matmul(device, tensors, x, *, row_start=0, rows=None, levels_source=None):
     fake = levels_source or FakeCact(tensors[0])
-    levels = device.buffer(256, label="levels", data=cq.levels_bytes(fake))
+    levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(fake))
     pack = cq.upload_pack(device, "test", tensors)
     T, width = x.shape
     in_pad = pack.in_pad

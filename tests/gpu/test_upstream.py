@@ -1,0 +1,85 @@
+"""The GPU model against upstream cactus-needle 3.2.8 on containers its exporter wrote, and
+against the NumPy reference on the valid files upstream's exporter does not write (§U)."""
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from needle_wgpu.engine import Needle3
+from needle_wgpu.errors import UnsupportedModelError
+from needle_wgpu.formats import cact
+from needle_wgpu.reference.model import ReferenceModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from upstream_fixtures import NAMES, SEQUENCES, logit_error, oracle, upstream_file, variant  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def models(device):
+    return {name: Needle3.load(upstream_file(name), device=device) for name in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_confidence_match_upstream(models, name):
+    model, z = models[name], oracle(name)
+    for seq in SEQUENCES:
+        ids = z[f"{seq}.ids"].tolist()
+        rel, mismatches = logit_error(np.array(model.logits(ids)), z[f"{seq}.logits"])
+        assert rel <= 1e-4 and mismatches == 0, (seq, rel, mismatches)
+        p = model.confidence(ids)
+        assert abs(math.log(p / (1 - p)) - float(z[f"{seq}.confidence"])) <= 1e-4, seq
+
+
+def test_embedding_and_router_match_upstream(models):
+    model, z = models["small-allheads"], oracle("small-allheads")
+    for seq in SEQUENCES:
+        ids = z[f"{seq}.ids"].tolist()
+        vector, want = np.array(model.embed(ids=ids)), z[f"{seq}.embedding"]
+        assert vector.shape == (32,) and abs(np.linalg.norm(vector) - 1) < 1e-5
+        assert vector @ want / np.linalg.norm(want) >= 0.9999, seq
+        route = model.route(ids=ids)
+        assert np.abs(np.array(route.logits) - z[f"{seq}.router"]).max() <= 1e-4, seq
+    np.testing.assert_allclose(route.calibration, [0.9, 0.0, 0.6], atol=1e-3)
+
+
+def test_heads_the_file_lacks_are_refused(models):
+    with pytest.raises(UnsupportedModelError, match="no embedding head"):
+        models["small"].embed(ids=[2, 5])
+    with pytest.raises(UnsupportedModelError, match="no router head"):
+        models["small"].route(ids=[2, 5])
+
+
+def test_generation_reports_confidence_from_its_own_forward(models):
+    """A tool-call request's result carries the confidence of prompt + completion, computed
+    by the pool that ran alongside prefill and decode; a separate call agrees to 1e-4."""
+    model = models["small-allheads"]
+    z = oracle("small-allheads")
+    prompt = z["len7.ids"].tolist()
+    session_ids = []
+    original = model.encode_request
+    model.encode_request = lambda *a, **k: prompt  # the fixture's tokenizer cannot encode text (README)
+    try:
+        result = model.generate(query="q", tools=[], max_tokens=6)
+    finally:
+        model.encode_request = original
+    assert result.confidence is not None and 0.0 < result.confidence < 1.0
+    session_ids = prompt + result.ids
+    assert abs(result.confidence - model.confidence(session_ids)) <= 1e-4
+    assert model.generate(ids=prompt, max_tokens=3).confidence is None  # not a tool call
+
+
+@pytest.mark.parametrize("kind", ["mixed", "no-engram", "wide-sub", "narrow-fetch"])
+def test_valid_variants_match_the_reference(device, kind):
+    data = variant(kind)
+    model, reference = Needle3.load(data, device=device), ReferenceModel(cact.load(data))
+    ids = oracle("small")["len40.ids"].tolist()
+    want = reference.forward_sequence(ids)
+    rel, mismatches = logit_error(np.array(model.logits(ids)), want)
+    assert rel <= 1e-4 and mismatches == 0, (rel, mismatches)
+    p = model.confidence(ids)
+    assert abs(math.log(p / (1 - p)) - reference.confidence_logit(ids)) <= 1e-4
