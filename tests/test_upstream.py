@@ -110,3 +110,27 @@ def test_binary_cq_matches_its_dense_matrix():
     matrix = cq.CQMatrix(16, 256, 128, 1, packed, norms, cq.level_table(1, 128, ()))
     x = rng.normal(0, 1, (3, 256)).astype(np.float32)
     np.testing.assert_allclose(cq.matmul(matrix, x), x @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+def test_pad_masked_cells_do_not_see_pad_positions():
+    """Upstream's hidden cells (§U a) mask every term that reads a pad position: attention keys,
+    q/k/v conv taps, engram tables and value-conv taps. So with ``pad_masked`` a pad position's
+    own state (here: its embedding, changed) reaches no other position's cell, while the
+    generation-pass cells (position mask only) do carry it."""
+    model = ReferenceModel(cact.load(upstream_file("small-allheads")))
+    ids = np.array([2, 17, 40, 0, 9, 300, 0, 12, 7, 5, 8, 3], np.uint32)
+    embed = model.embed
+
+    def outputs(scale):
+        model.embed = lambda tokens: embed(tokens) * np.where(tokens == 0, np.float32(scale), 1)[:, None]
+        try:
+            return (model.head_output(3, ids, pad_masked=True), model.head_output(3, ids))
+        finally:
+            model.embed = embed
+
+    (masked_a, plain_a), (masked_b, plain_b) = outputs(1.0), outputs(-3.0)
+    assert np.array_equal(masked_a, masked_b)
+    assert np.abs(plain_a - plain_b).max() > 1e-4
+    # Without a pad the two forms are one computation.
+    clean = np.array([2, 17, 40, 9, 300, 12], np.uint32)
+    np.testing.assert_allclose(model.head_output(1, clean, pad_masked=True), model.embedding(clean), atol=1e-6)
