@@ -30,11 +30,13 @@ def pool_reset_bytes(probes: int, d: int) -> bytes:
     return row * probes
 
 
-def pool(plan: Plan, arena: UniformArena, *, scores, cells, state, d: int, positions: int, probes: int,
-         per_cell: int, cells_count: int) -> None:
-    """Fold the chunk's scores [T][C·k] and cells [T][C][d] into the pool state (§7 step 1)."""
+def pool(plan: Plan, arena: UniformArena, step, *, scores, cells, state, tokens, d: int, positions: int,
+         probes: int, per_cell: int, cells_count: int) -> None:
+    """Fold the chunk's scores [T][C·k] and cells [T][C][d] into the pool state (§7 step 1),
+    skipping positions whose token (``tokens`` [context], at step.pos0 + t) is the pad id 0."""
     params = arena.add(d, positions, probes, per_cell, cells_count * d, inv_sqrt(d), 0, 0)
-    plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state], (probes,), label="probe_pool")
+    plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state, step, tokens], (probes,),
+             label="probe_pool")
 
 
 def unpack_codes(data: bytes, bits: int) -> list:
@@ -148,14 +150,18 @@ class ProbeHead:
         return self.cells_count * self.per_cell
 
     def logit(self, state: bytes) -> float:
-        """The first output: the confidence logit."""
-        return self.output(state)[0]
+        """The first output: the confidence logit (0.0, probability 0.5, with no position)."""
+        out = self.output(state)
+        return 0.0 if out is None else out[0]
 
-    def output(self, state: bytes) -> list:
+    def output(self, state: bytes) -> list | None:
         """§7 steps 1 (finish: r = a / s, rms_unit, gain), 2 (query attention) and 3 (projection):
-        the logits plus bias (confidence 1, router 3), or the L2-normalised embedding (§U a)."""
+        the logits plus bias (confidence 1, router 3), or the L2-normalised embedding (§U a).
+        None when the pool holds no position (every one was the pad id 0)."""
         d, count = self.d, self.probe_rows
         values = struct.unpack(f"<{count * (d + 2)}f", state)
+        if not all(values[m * (d + 2) + d + 1] > 0 for m in range(count)):
+            return None
         readouts = []
         for m in range(count):
             row = values[m * (d + 2) : (m + 1) * (d + 2)]

@@ -278,8 +278,8 @@ class Needle3Session(ChunkedSession):
                 cq.matmul(plan, arena, m.head_probes[code], m.levels, self.cellsh, scores, positions=T,
                           x_stride=C * d_pad, x_offset=cell * d_pad, y_stride=C * k, y_offset=cell * k,
                           row_start=cell * k, rows=k)
-            probe_ops.pool(plan, arena, scores=scores, cells=self.cells, state=state, d=d, positions=T,
-                           probes=C * k, per_cell=k, cells_count=C)
+            probe_ops.pool(plan, arena, Binding(self.step_uniform), scores=scores, cells=self.cells, state=state,
+                           tokens=self.tokens, d=d, positions=T, probes=C * k, per_cell=k, cells_count=C)
 
     def head_output(self, code: int) -> list:
         """The output of head ``code`` over every position this session has run (§7): the
@@ -288,13 +288,21 @@ class Needle3Session(ChunkedSession):
             raise NeedleError(f"this session does not run the {probe_ops.HEAD_NAMES.get(code, code)} head")
         if self.position == 0:
             raise NeedleError("a probe head needs at least one position")
-        head = self.model.heads[code]
-        state = self.device.read(self.pools[code][1], 4 * head.probe_rows * (self.model.geometry.d_model + 2))
-        return head.output(state)
+        out = self.model.heads[code].output(self._pool_state(code))
+        if out is None:
+            raise InputError("a probe head needs at least one token that is not the pad id 0")
+        return out
+
+    def _pool_state(self, code: int) -> bytes:
+        rows = self.model.heads[code].probe_rows
+        return self.device.read(self.pools[code][1], 4 * rows * (self.model.geometry.d_model + 2))
 
     def confidence_logit_so_far(self) -> float:
-        """The confidence logit over every position run so far (a generation's own forward)."""
-        return self.head_output(probe_ops.CONFIDENCE)[0]
+        """The confidence logit over every position run so far (a generation's own forward);
+        0.0 (probability 0.5: no evidence) while every position was the pad id 0."""
+        if probe_ops.CONFIDENCE not in self.pools:
+            raise NeedleError("create the session with confidence=True to score confidence")
+        return self.model.confidence.logit(self._pool_state(probe_ops.CONFIDENCE))
 
     def confidence_logit(self, ids: list) -> float:
         """The confidence head's logit over ``ids`` (prompt + completion, BOS first; §7)."""
@@ -304,7 +312,7 @@ class Needle3Session(ChunkedSession):
         if not ids:
             return 0.0  # no evidence either way: probability 0.5
         self.prefill(ids)
-        return self.head_output(probe_ops.CONFIDENCE)[0]
+        return self.confidence_logit_so_far()
 
 
 def heads_requested(heads) -> tuple:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from needle_wgpu.engine import Needle3
-from needle_wgpu.errors import UnsupportedModelError
+from needle_wgpu.errors import InputError, UnsupportedModelError
 from needle_wgpu.formats import cact
 from needle_wgpu.reference.model import ReferenceModel
 
@@ -83,3 +83,18 @@ def test_valid_variants_match_the_reference(device, kind):
     assert rel <= 1e-4 and mismatches == 0, (rel, mismatches)
     p = model.confidence(ids)
     assert abs(math.log(p / (1 - p)) - reference.confidence_logit(ids)) <= 1e-4
+
+
+def test_pad_positions_leave_the_gpu_probe_pools(models):
+    """Positions holding the pad id 0 are skipped by every head's pool (§U a), as in the
+    reference; a sequence of pads only is no evidence (confidence 0.5) and no embedding."""
+    model = models["small-allheads"]
+    reference = ReferenceModel(cact.load(upstream_file("small-allheads")))
+    ids = [2, 17, 0, 40, 9, 0, 300, 12]
+    assert np.abs(np.array(model.route(ids=ids).logits) - reference.head_output(3, ids)).max() <= 1e-4
+    assert np.array(model.embed(ids=ids)) @ reference.embedding(ids) >= 0.9999
+    p = model.confidence(ids)
+    assert abs(math.log(p / (1 - p)) - reference.confidence_logit(ids)) <= 1e-4
+    assert model.confidence([0, 0]) == 0.5
+    with pytest.raises(InputError, match="pad id 0"):
+        model.embed(ids=[0])
