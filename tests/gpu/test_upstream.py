@@ -1,6 +1,7 @@
 """The GPU model against upstream cactus-needle 3.2.8 on containers its exporter wrote, and
 against the NumPy reference on the valid files upstream's exporter does not write (§U)."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -98,3 +99,18 @@ def test_pad_positions_leave_the_gpu_probe_pools(models):
     assert model.confidence([0, 0]) == 0.5
     with pytest.raises(InputError, match="pad id 0"):
         model.embed(ids=[0])
+
+
+def test_cli_heads_prints_every_head_the_file_has(capsys):
+    from needle_wgpu import cli
+
+    z = oracle("small-allheads")
+    ids = ",".join(str(i) for i in z["len7.ids"])
+    assert cli.main(["heads", str(upstream_file("small-allheads")), "--ids", ids, "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(out) == ["confidence", "embedding", "router"]
+    assert np.array(out["embedding"]) @ z["len7.embedding"] >= 0.9999
+    assert np.abs(np.array(out["router"]["logits"]) - z["len7.router"]).max() <= 1e-4
+    assert cli.main(["heads", str(upstream_file("small")), "--ids", ids, "--head", "router", "--quiet"]) == 2
+    assert "no router head" in capsys.readouterr().err
+    assert cli.main(["heads", str(upstream_file("small")), "--ids", "2,x", "--quiet"]) == 2
