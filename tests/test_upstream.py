@@ -89,6 +89,24 @@ def test_valid_variants_load_and_run(kind):
         assert f.geometry.engram_width == 255 and f["engram.0.key_proj"].shape == (256, 255)
 
 
+def test_heads_of_any_size():
+    """Each head has its own k, q and output rows (§U a): the streaming pool equals the
+    whole-sequence formula for every head, and the outputs have their own widths."""
+    from upstream_fixtures import variant
+
+    from needle_wgpu.reference.heads import probe_output
+
+    model = ReferenceModel(cact.load(variant("odd-heads")))
+    ids = np.array([2, 17, 40, 9, 300, 12, 7], np.uint32)
+    cells = model.forward_cells(ids)
+    for code, width in ((1, 5), (2, 1), (3, 3)):
+        got = model.head_output(code, ids)
+        assert got.shape == (width,)
+        np.testing.assert_allclose(got, probe_output(cells, model.weights.heads[code]), atol=1e-5)
+    assert abs(np.linalg.norm(model.embedding(ids)) - 1) < 1e-5
+    np.testing.assert_allclose(model.route(ids)[1], [0.8, 0.1, 0.5], atol=1e-3)
+
+
 def test_binary_cq_matches_its_dense_matrix():
     """1-bit CQ (§U b): codes 0/1 read as ∓sqrt(2/π)/sqrt(G); the rotated-domain product equals
     the product with the dequantised matrix."""

@@ -50,7 +50,9 @@ def variant(kind: str) -> bytes:
       the three mHC matrices and between the Engram key and value projections;
     * ``no-engram``: the Engram sites and records removed (orders, tables, slots kept);
     * ``wide-sub``: one order, one head: one table of sub_dim 256 = two CQ groups per row;
-    * ``narrow-fetch``: orders (2, 3, 4), one head each: sub_dim 85, fetch width W = 255 < d.
+    * ``narrow-fetch``: orders (2, 3, 4), one head each: sub_dim 85, fetch width W = 255 < d;
+    * ``odd-heads``: all three heads with their own probe and query counts (k 3, 1, 5; q 2, 1, 3)
+      and an embedding of 5, the router's calibration (0.8, 0.1, 0.5).
     """
     from dataclasses import replace
 
@@ -78,6 +80,8 @@ def variant(kind: str) -> bytes:
             records[at(name)] = recode(name, bits)
         return write_cact(g, records, book)
     rng = np.random.default_rng(7)
+    if kind == "odd-heads":
+        return write_cact(g, _odd_heads(g, [r for r in records if not r.name.startswith("heads.")], book, rng), book)
     if kind == "no-engram":
         g2 = replace(g, engram_sites=())
         return write_cact(g2, [r for r in records if not r.name.startswith("engram.")], book)
@@ -94,3 +98,22 @@ def variant(kind: str) -> bytes:
             r = Record.cq(r.name, rng.normal(0, 0.06, (g.d_model, tables * sub)), 4, 128, book)
         out.append(r)
     return write_cact(g2, out, book)
+
+
+def _odd_heads(g, records, book, rng):
+    from needle_wgpu.formats.cact_writer import Record
+
+    tokenizer = records.pop() if records[-1].name == "tokenizer" else None
+    cells, d = g.num_layers + 1, g.d_model
+    out = records + [Record.fp16("heads.manifest", [1.0, 2.0, 3.0])]
+    for h, (k, q, width) in enumerate(((3, 2, 5), (1, 1, 1), (5, 3, 3))):
+        p = f"heads.{h}."
+        out += [Record.cq(p + "probes", rng.normal(0, 1, (cells * k, d)), 4, 128, book),
+                Record.fp16(p + "gain", rng.uniform(0.5, 1.5, (cells, k))),
+                Record.cq(p + "query", rng.normal(0, 1, (q, d)), 4, 128, book),
+                Record.fp16(p + "row_bias", rng.normal(0, 0.5, (q, cells, k))),
+                Record.cq(p + "proj", rng.normal(0, 0.1, (width, q * d)), 4, 128, book),
+                Record.fp16(p + "bias", np.zeros(width) if h == 0 else rng.normal(0, 0.5, width))]
+        if h == 2:
+            out.append(Record.fp16(p + "calibration", [0.8, 0.1, 0.5]))
+    return out + ([tokenizer] if tokenizer is not None else [])

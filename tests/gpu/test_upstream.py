@@ -114,3 +114,17 @@ def test_cli_heads_prints_every_head_the_file_has(capsys):
     assert cli.main(["heads", str(upstream_file("small")), "--ids", ids, "--head", "router", "--quiet"]) == 2
     assert "no router head" in capsys.readouterr().err
     assert cli.main(["heads", str(upstream_file("small")), "--ids", "2,x", "--quiet"]) == 2
+
+
+def test_heads_of_any_size_match_the_reference(device):
+    data = variant("odd-heads")
+    model, reference = Needle3.load(data, device=device), ReferenceModel(cact.load(data))
+    ids = [2, 17, 40, 9, 300, 12, 7]
+    vector = np.array(model.embed(ids=ids))
+    assert vector.shape == (5,) and vector @ reference.embedding(ids) >= 0.9999
+    route = model.route(ids=ids)
+    logits, calibration = reference.route(ids)
+    assert np.abs(np.array(route.logits) - logits).max() <= 1e-4
+    np.testing.assert_allclose(route.calibration, calibration)
+    p = model.confidence(ids)
+    assert abs(math.log(p / (1 - p)) - reference.confidence_logit(ids)) <= 1e-4
