@@ -152,3 +152,20 @@ def test_pad_masked_cells_do_not_see_pad_positions():
     # Without a pad the two forms are one computation.
     clean = np.array([2, 17, 40, 9, 300, 12], np.uint32)
     np.testing.assert_allclose(model.head_output(1, clean, pad_masked=True), model.embedding(clean), atol=1e-6)
+
+
+def test_families_without_heads_refuse_embed_and_route():
+    """embed and route are Needle-only capabilities, like confidence: a family without probe
+    heads raises UnsupportedModelError before running anything."""
+    from types import SimpleNamespace
+
+    from needle_wgpu.api import Model
+    from needle_wgpu.errors import UnsupportedModelError
+
+    gpu = SimpleNamespace(geometry=SimpleNamespace(vocab=10, head_rows=10, max_seq_len=8), tokenizer=None,
+                          chat=None, session=lambda **k: pytest.fail("no session should be opened"))
+    model = Model(gpu)
+    for call in (lambda: model.embed(ids=[2, 3]), lambda: model.route(ids=[2, 3]),
+                 lambda: model.confidence([2, 3])):
+        with pytest.raises(UnsupportedModelError):
+            call()
