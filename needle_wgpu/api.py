@@ -14,6 +14,7 @@ engine usable for the next one.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -139,8 +140,9 @@ class Model:
         if not request:
             out.finish_reason = "empty"
             return
-        # Tool-call requests score confidence in the same forward, when the model has the head.
-        scored = (query is not None or tools is not None) and getattr(self.gpu, "confidence", None) is not None
+        # Tool-call requests score confidence in the same forward, when the model has a head
+        # it can finish (a head over the host budget leaves generation unscored, not refused).
+        scored = (query is not None or tools is not None) and _servable_head(getattr(self.gpu, "confidence", None))
         session = self.gpu.session(context=context, kv=kv, confidence=True) if scored else \
             self.gpu.session(context=context, kv=kv)
         try:
@@ -264,10 +266,19 @@ class Model:
             session.close()
 
 
+def _servable_head(head) -> bool:
+    """A probe head whose host finish fits the budget (``kernels.probe.MAX_HOST_WORK``)."""
+    if head is None:
+        return False
+    try:
+        head.check()
+    except UnsupportedModelError:
+        return False
+    return True
+
+
 def _probability(logit: float) -> float:
     """σ(logit), saturating: 0 for a NaN or very negative logit."""
-    import math
-
     return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
 
 
