@@ -14,6 +14,7 @@ engine usable for the next one.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -45,6 +46,18 @@ class GenerationResult:
     decode_tokens_per_s: float = 0.0
     completion: Completion | None = None
     timings: dict = field(default_factory=dict)
+    # Probability from the confidence head over prompt + completion, computed by the same
+    # forward (the probe pool runs alongside prefill and decode); None without such a head.
+    confidence: float | None = None
+
+
+@dataclass
+class RouteResult:
+    """The router head's output (§U a): three raw logits and the calibration stored with them
+    (the decision rule is the closed engine's)."""
+
+    logits: list
+    calibration: list
 
 
 @checked_methods
@@ -127,7 +140,11 @@ class Model:
         if not request:
             out.finish_reason = "empty"
             return
-        session = self.gpu.session(context=context, kv=kv)
+        # Tool-call requests score confidence in the same forward, when the model has a head
+        # it can finish (a head over the host budget leaves generation unscored, not refused).
+        scored = (query is not None or tools is not None) and _servable_head(getattr(self.gpu, "confidence", None))
+        session = self.gpu.session(context=context, kv=kv, confidence=True) if scored else \
+            self.gpu.session(context=context, kv=kv)
         try:
             # prompt + completion <= context. A prompt that fills the context (or is longer),
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
@@ -165,6 +182,13 @@ class Model:
             elapsed = time.perf_counter() - first
             out.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
             out.text = text
+            if scored:
+                # The pool holds every position fed so far; the last kept id is fed unless it
+                # was sampled and never run (budget or stop text): one position, no second pass.
+                fed = session.position - len(request)
+                if fed < len(out.ids) and session.position < session.context:
+                    session.prefill(out.ids[fed:][: session.context - session.position])
+                out.confidence = _probability(session.confidence_logit_so_far())
         finally:
             session.close()
 
@@ -185,8 +209,6 @@ class Model:
         Pass ``ids`` directly, or a prompt and a completion as text. Empty input -> 0.5 (no
         evidence either way). Raises UnsupportedModelError when the file has no such head.
         """
-        import math
-
         if not hasattr(self.gpu, "confidence"):
             raise UnsupportedModelError("this model family has no confidence head")
         if ids is None:
@@ -201,7 +223,35 @@ class Model:
             logit = session.confidence_logit(request[: session.context])
         finally:
             session.close()
-        return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
+        return _probability(logit)
+
+    def embed(self, text=None, *, ids=None) -> list:
+        """The embedding head's L2-normalised vector (§7, §U a) for ``text`` (BOS + its ids) or
+        explicit ``ids``. Raises UnsupportedModelError when the model has no embedding head."""
+        return self._head_output(1, "embedding", text, ids)
+
+    def route(self, text=None, *, ids=None) -> "RouteResult":
+        """The router head's three raw logits and its stored calibration (§U a)."""
+        logits = self._head_output(3, "router", text, ids)
+        return RouteResult(logits, list(self.gpu.heads[3].calibration))
+
+    def _head_output(self, code: int, name: str, text, ids) -> list:
+        """One probe head over BOS + text (or ``ids``): one prefill, its pool read back."""
+        heads = getattr(self.gpu, "heads", None)
+        if heads is None or code not in heads:
+            raise UnsupportedModelError(f"this model has no {name} head")
+        if ids is None:
+            tokenizer = self._need_tokenizer()
+            ids = [tokenizer.bos_id] + tokenizer.encode(as_text(text, "text"))
+        request, _ = saturate_ids(id_list(ids))
+        if not request:
+            raise NeedleError(f"{name} needs at least one token")
+        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), heads=(code,))
+        try:
+            session.prefill(request[: session.context])
+            return list(session.head_output(code))
+        finally:
+            session.close()
 
 
     def logits(self, ids, kv="f32", context=None):
@@ -214,6 +264,22 @@ class Model:
             return session.all_logits(request[: session.context])
         finally:
             session.close()
+
+
+def _servable_head(head) -> bool:
+    """A probe head whose host finish fits the budget (``kernels.probe.MAX_HOST_WORK``)."""
+    if head is None:
+        return False
+    try:
+        head.check()
+    except UnsupportedModelError:
+        return False
+    return True
+
+
+def _probability(logit: float) -> float:
+    """σ(logit), saturating: 0 for a NaN or very negative logit."""
+    return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
 
 
 # generate's options: stream's keywords except ``result`` (generate returns its own).

@@ -127,6 +127,36 @@ def _result_json(result, completion) -> dict:
     return out
 
 
+def cmd_heads(args) -> int:
+    """``heads``: the probe heads of a Needle 3 model over a text or ids, as one JSON object."""
+    model = _load(Path(args.model), Progress(args.quiet))
+    if args.ids is not None:
+        try:
+            source = dict(ids=[int(i) for i in args.ids.split(",") if i.strip()])
+        except ValueError:
+            raise NeedleError(f"--ids: {args.ids!r} is not a comma-separated list of integers") from None
+    else:
+        source = dict(text=args.text or "")
+    wanted = args.head or ["embedding", "confidence", "router"]
+    present = {1: "embedding", 2: "confidence", 3: "router"}
+    have = {present[c] for c in getattr(model.gpu, "heads", {})}
+    out = {}
+    for name in wanted:
+        if name not in have and args.head is None:
+            continue  # by default, only the heads the file has
+        if name == "embedding":
+            out["embedding"] = model.embed(**source)
+        elif name == "router":
+            route = model.route(**source)
+            out["router"] = {"logits": route.logits, "calibration": route.calibration}
+        else:
+            ids = source.get("ids")
+            out["confidence"] = model.confidence(ids) if ids is not None else \
+                model.confidence(prompt=source["text"])
+    print(json.dumps(out))
+    return 0
+
+
 def cmd_info(args) -> int:
     from .families import describe
 
@@ -187,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-reference", dest="reference", action="store_false")
     bench.add_argument("--json", default="bench.json")
     bench.set_defaults(run=cmd_bench)
+
+    heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")
+    heads.add_argument("model")
+    heads.add_argument("--text", help="text to score (BOS + its ids)")
+    heads.add_argument("--ids", help="comma-separated token ids instead of text")
+    heads.add_argument("--head", action="append", choices=("embedding", "confidence", "router"),
+                       help="a head to run (repeatable; default: every head the file has)")
+    heads.add_argument("--quiet", action="store_true", help="no progress bar")
+    heads.set_defaults(run=cmd_heads)
 
     sub.add_parser("synth", help="write a seeded synthetic Needle 3 model (synth --help)")
     return parser

@@ -85,5 +85,14 @@ def ternary_level(group: int) -> float:
     return f32(f32(TERNARY_LEVEL) / f32(math.sqrt(group)))
 
 
+BINARY_LEVEL = math.sqrt(2.0 / math.pi)  # Needle 3 §U b: 1-bit CQ levels ±sqrt(2/π)/sqrt(G)
+
+
+def binary_level(group: int) -> float:
+    """The 1-bit CQ level c = f32(sqrt(2/π)) / f32(sqrt(G)), an f32 division (Needle 3 §U b):
+    code 0 reads as −c and code 1 as +c (levels ascending, as every codebook slice)."""
+    return f32(f32(BINARY_LEVEL) / f32(math.sqrt(group)))
+
+
 GELU_TANH_SCALE = f32(math.sqrt(2.0 / math.pi))  # sqrt(2/π) of the tanh GELU (dense §3, Gemma 3)
 GELU_TANH_CUBIC = f32(0.044715)

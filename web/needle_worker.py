@@ -265,7 +265,7 @@ def cq_matmul(js_bytes, tensor_name, js_x, positions) -> dict:
     x = js_x.to_bytes()
     if len(x) != 4 * T * cols:
         raise InputError(f"x has {len(x)} bytes, expected {4 * T * cols}")
-    levels = device.buffer(256, label="levels", data=cq.levels_bytes(container))
+    levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(container))
     pack = cq.upload_pack(device, "test", [tensor])
     xb = device.buffer(len(x), label="x", data=x)
     xh = device.buffer(4 * T * pack.in_pad, label="xh")

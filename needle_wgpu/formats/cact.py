@@ -25,13 +25,16 @@ BLOB_ALIGN = 64
 
 FP16, FP32, CQ, RAW = 1, 2, 3, 4
 DTYPE_NAMES = {FP16: "FP16", FP32: "FP32", CQ: "CQ", RAW: "RAW"}
-TERNARY = 5
-CQ_BITS = (2, 3, 4, TERNARY)
+BINARY, TERNARY = 1, 5
+CQ_BITS = (BINARY, 2, 3, 4, TERNARY)  # every record has its own width (§U b)
 CODEBOOK_SLICES = {2: (0, 4), 3: (4, 12), 4: (12, 28)}
 
 # Head manifest codes (§7) and how many tensors follow each.
 HEAD_CODES = {1: "embedding", 2: "confidence", 3: "router"}
 HEAD_TENSORS = ("probes", "gain", "query", "row_bias", "proj", "bias")
+EMBEDDING_HEAD, CONFIDENCE_HEAD, ROUTER_HEAD = 1, 2, 3
+# Output rows of each head's proj (§U a): the embedding head's is embedding_dim, any width.
+HEAD_OUT = {CONFIDENCE_HEAD: 1, ROUTER_HEAD: 3}
 
 # Sanity ceilings: generous for any model this engine targets, small enough that arithmetic on
 # them stays cheap and no claim in a header can ask for billions of anything.
@@ -134,10 +137,11 @@ class CactFile:
     def levels(self, bits: int) -> tuple:
         """The codebook levels of one bit width (§5.3), already divided by sqrt(G).
 
-        Ternary records have no header levels: theirs are ±1.2240064/sqrt(G) (§5.2), derived
-        from the group by the code that decodes them, so this returns ().
+        Ternary and 1-bit records have no header levels: theirs are ±1.2240064/sqrt(G) (§5.2)
+        and ±sqrt(2/π)/sqrt(G) (§U b), derived from the group by the code that decodes them, so
+        this returns ().
         """
-        if bits == TERNARY:
+        if bits in (TERNARY, BINARY):
             return ()
         lo, hi = CODEBOOK_SLICES[bits]
         return self.codebook[lo:hi]
@@ -237,10 +241,10 @@ def head_canon(g: Needle3Geometry, code: int, h: int) -> list:
         (prefix + "gain", FP16, (cells, None)),
         (prefix + "query", CQ, (None, d)),
         (prefix + "row_bias", FP16, (None, cells, None)),
-        (prefix + "proj", CQ, (1, None)),
-        (prefix + "bias", FP16, (1,)),
+        (prefix + "proj", CQ, (HEAD_OUT.get(code), None)),
+        (prefix + "bias", FP16, (HEAD_OUT.get(code),)),
     ]
-    if code == 3:
+    if code == ROUTER_HEAD:
         out.append((prefix + "calibration", FP16, (3,)))
     del n
     return out
@@ -468,7 +472,10 @@ def _read_heads(data, g, body, start, tensors) -> tuple:
             tensors[name] = _make_tensor(data, at, name, body[at], dtype, shape)
             at += 1
     if at != len(body):
-        _fail(f"record {at}", f"{len(body) - at} unexpected records after the probe heads")
+        # A Whistle (speech) file has the same tag and its audio.* records here (§U a).
+        raise UnsupportedModelError(
+            f"record {at}: {len(body) - at} records after the probe heads (a Whistle speech model's "
+            f"audio records?); only Needle 3 text models are supported")
     return tuple(int(c) for c in codes)
 
 
@@ -482,11 +489,6 @@ def _check_cross_shapes(g, tensors):
     groups = {t.group for t in tensors.values() if t.is_cq}
     if len(groups) > 1:
         raise UnsupportedModelError(f"CQ tensors use several group sizes {sorted(groups)}")
-    for s in range(len(g.engram_sites)):
-        t = tensors[f"engram.{s}.tables"]
-        if g.engram_sub_dim > t.group:
-            raise UnsupportedModelError(
-                f"engram.{s}.tables: sub_dim {g.engram_sub_dim} wider than the CQ group {t.group}")
     c = 0
     while f"heads.{c}.probes" in tensors:
         pre = f"heads.{c}."
@@ -503,4 +505,7 @@ def _check_cross_shapes(g, tensors):
             _fail(pre + "row_bias", f"shape {list(tensors[pre + 'row_bias'].shape)} != [{queries}, {cells}, {k}]")
         if tensors[pre + "proj"].cols != queries * g.d_model:
             _fail(pre + "proj", f"{tensors[pre + 'proj'].cols} columns, expected queries*d = {queries * g.d_model}")
+        out = tensors[pre + "proj"].rows
+        if out == 0 or tensors[pre + "bias"].shape != (out,):
+            _fail(pre + "bias", f"shape {list(tensors[pre + 'bias'].shape)} != [{out}] (one bias per proj row)")
         c += 1

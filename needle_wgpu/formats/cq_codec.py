@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cact import CODEBOOK_LEN, CODEBOOK_SLICES, TERNARY, Tensor, align
+from ..constants import binary_level
+from .cact import BINARY, CODEBOOK_LEN, CODEBOOK_SLICES, TERNARY, Tensor, align
 
 # §14.1: Lloyd-Max quantisers of a unit Gaussian, before the 1/sqrt(128) scale. Writers only:
 # readers take the 28 levels from the file's header (§5.3).
@@ -57,6 +58,9 @@ def levels_for(bits: int, codebook=LLOYD_MAX_CODEBOOK, group: int = CODEBOOK_GRO
     if bits == TERNARY:
         c = np.float32(TERNARY_UNSCALED) / np.float32(np.sqrt(group))
         return np.array([-c, 0.0, c], dtype=np.float32)
+    if bits == BINARY:
+        c = np.float32(binary_level(group))
+        return np.array([-c, c], dtype=np.float32)
     if bits not in CODEBOOK_SLICES:
         raise ValueError(f"unsupported CQ bit width {bits}")
     lo, hi = CODEBOOK_SLICES[bits]

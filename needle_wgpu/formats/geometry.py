@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ContainerError, UnsupportedModelError
+from ..errors import ContainerError
 
 MAX_DIM = 1 << 20
 
@@ -83,11 +83,16 @@ class Needle3Geometry:
 
     @property
     def engram_heads(self) -> int:
-        return self.num_engram_tables // len(self.engram_orders)
+        return self.num_engram_tables // len(self.engram_orders) if self.engram_orders else 0
 
     @property
     def engram_max_order(self) -> int:
-        return max(self.engram_orders)
+        return max(self.engram_orders, default=1)
+
+    @property
+    def engram_width(self) -> int:
+        """W = tables·sub_dim, the fetch width and the key/value projections' input (§U c)."""
+        return self.num_engram_tables * self.engram_sub_dim
 
     def is_global(self, layer: int) -> bool:
         """Global layers attend to the whole causal past (§4.5 item 8)."""
@@ -168,10 +173,12 @@ class Needle3Geometry:
 
     def _validate_engram(self, bad) -> None:
         orders, sites = self.engram_orders, self.engram_sites
-        if not orders or not sites:
-            if orders or sites or self.num_engram_tables:
-                bad("engram orders, sites and tables must be all present or all absent")
-            raise UnsupportedModelError("header: models without Engram memory are not supported")
+        if not orders:
+            if sites or self.num_engram_tables:
+                bad("engram sites or tables without engram orders")
+            return
+        # A model without Engram has no sites, while the header still carries the orders,
+        # tables, sub_dim, slots, taps and dilation (§U c): those are checked all the same.
         if any(not 1 <= o <= 8 for o in orders):
             bad(f"engram orders {orders} out of range 1..8")
         if len(set(sites)) != len(sites) or any(s >= self.num_layers for s in sites):
@@ -186,9 +193,9 @@ class Needle3Geometry:
                 bad(f"{name} = {value} is out of range (1..{MAX_DIM})")
         if self.engram_conv_dilation > 64 or self.engram_conv_taps > 64:
             bad("engram conv taps/dilation out of range (at most 64)")
-        # §0 item 5: key/value projections are [d, d], so the fetch width must be exactly d.
-        if self.num_engram_tables * self.engram_sub_dim != self.d_model:
-            bad(f"orders*heads*sub_dim = {self.num_engram_tables * self.engram_sub_dim} "
-                f"!= d_model {self.d_model}")
+        # §U c: sub_dim = d // (orders·heads); the fetch width tables·sub_dim may fall short of d.
+        if self.engram_sub_dim != self.d_model // self.num_engram_tables:
+            bad(f"engram_sub_dim {self.engram_sub_dim} != d_model // tables = "
+                f"{self.d_model // self.num_engram_tables}")
         if self.num_engram_tables * self.engram_slots > MAX_DIM * 16:
             bad(f"{self.num_engram_tables} x {self.engram_slots} engram rows is absurd")

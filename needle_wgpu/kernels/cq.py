@@ -6,17 +6,19 @@ Reference functions: ``needle_wgpu.reference.cq.prepare_input`` and ``matmul_pre
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..constants import inv_sqrt, ternary_level
+from ..constants import binary_level, inv_sqrt, ternary_level
 from ..errors import DeviceLimitError, UnsupportedModelError
-from ..formats.cact import TERNARY, CactFile
+from ..formats.cact import BINARY, TERNARY, CactFile
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
 from .packs import RowPart, pieces, split_rows
 
 # Offsets of each width's level table inside the levels buffer (16 floats per width).
-LEVEL_BASE = {2: 0, 3: 16, 4: 32, TERNARY: 48}
-CODE_BITS = {2: 2, 3: 3, 4: 4, TERNARY: 2}
+LEVEL_BASE = {2: 0, 3: 16, 4: 32, TERNARY: 48, BINARY: 64}
+LEVELS_BYTES = 4 * 16 * len(LEVEL_BASE)
+CODE_BITS = {2: 2, 3: 3, 4: 4, TERNARY: 2, BINARY: 1}
+ROWWISE_CODE_BITS = (2, 4)  # the widths cq_matmul_rows.wgsl decodes
 MATMUL_ROWS = 8
 ROWWISE_TILE = 8  # positions per invocation of cq_matmul_rows in prefill
 
@@ -42,7 +44,8 @@ def check_prepare(width: int, group: int, workgroup_bytes: int) -> None:
 
 
 def levels_bytes(cact: CactFile) -> bytes:
-    """Level tables of every width, padded to 16 entries; ternary maps crumbs to levels (§5.2)."""
+    """Level tables of every width, padded to 16 entries; ternary maps crumbs to levels (§5.2),
+    1-bit codes 0 and 1 to ∓sqrt(2/π)/sqrt(G) (§U b). ``LEVELS_BYTES`` long."""
     out = bytearray()
     for bits in (2, 3, 4):
         table = list(cact.levels(bits))
@@ -51,6 +54,9 @@ def levels_bytes(cact: CactFile) -> bytes:
     c = ternary_level(group)
     # crumb 0 -> 0, 1 -> +c, 2 -> invalid (0, as the Rust reader does), 3 -> -c
     out += struct.pack("<16f", 0.0, c, 0.0, -c, *([0.0] * 12))
+    b = binary_level(group)
+    out += struct.pack("<16f", -b, b, *([0.0] * 14))
+    assert len(out) == LEVELS_BYTES
     return bytes(out)
 
 
@@ -65,7 +71,12 @@ CQSlice = RowPart
 
 @dataclass
 class CQPack:
-    """CQ tensors with the same input width, group and bits, concatenated along rows."""
+    """CQ tensors with the same input width and group, concatenated along rows.
+
+    Every record has its own width (§U b). A pack whose rows all share one width holds its
+    buffers in ``slices``; otherwise ``bands`` lists (first pack row, uniform CQPack) for each
+    run of rows of one width, and ``bits`` is 0. ``matmul`` dispatches once per band.
+    """
 
     name: str
     slices: list
@@ -73,6 +84,7 @@ class CQPack:
     cols: int
     group: int
     bits: int
+    bands: list = field(default_factory=list)
 
     @property
     def in_pad(self) -> int:
@@ -99,8 +111,28 @@ def upload_pack(device: Device, name: str, parts: list) -> CQPack:
     tensors = [t for t, _, _ in segments]
     first = tensors[0]
     for t in tensors:
-        if (t.cols, t.group, t.bits) != (first.cols, first.group, first.bits):
-            raise UnsupportedModelError(f"{name}: tensors of a pack differ in width, group or bits")
+        if (t.cols, t.group) != (first.cols, first.group):
+            raise UnsupportedModelError(f"{name}: tensors of a pack differ in input width or group")
+    runs = []  # consecutive segments of one bit width
+    for segment in segments:
+        if runs and runs[-1][-1][0].bits == segment[0].bits:
+            runs[-1].append(segment)
+        else:
+            runs.append([segment])
+    if len(runs) > 1:
+        bands, first_row = [], 0
+        for k, run in enumerate(runs):
+            band = _upload_uniform(device, f"{name}.band{k}", run)
+            bands.append((first_row, band))
+            first_row += band.rows
+        return CQPack(name, [], first_row, first.cols, first.group, 0, bands)
+    return _upload_uniform(device, name, segments)
+
+
+def _upload_uniform(device: Device, name: str, segments: list) -> CQPack:
+    """One pack of row ranges that share input width, group and bits."""
+    first = segments[0][0]
+    t = first
     if first.group % 32:
         raise UnsupportedModelError(f"{t.name}: CQ group {first.group} is not a multiple of 32")
     total_rows = sum(hi - lo for _, lo, hi in segments)
@@ -160,9 +192,14 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
            tile: int | None = None) -> None:
     """y[t, row - row_start] = W[row] . xh[t] for the pack rows [row_start, row_start + rows)."""
     rows = pack.rows - row_start if rows is None else rows
+    if pack.bands:
+        _matmul_bands(plan, arena, pack, levels, xh, y, positions=positions, x_stride=x_stride, y_stride=y_stride,
+                      x_offset=x_offset, y_offset=y_offset, row_start=row_start, rows=rows,
+                      x_block_rows=x_block_rows, x_block_stride=x_block_stride, tile=tile)
+        return
     code_bits = CODE_BITS[pack.bits]
     # CPU adapters get the barrier-free row-per-invocation variant (cq_matmul_rows.wgsl).
-    rowwise = plan.device.software_rasterizer and code_bits != 3
+    rowwise = plan.device.software_rasterizer and code_bits in ROWWISE_CODE_BITS
     if rowwise:
         tile = 1 if positions == 1 else ROWWISE_TILE
         if (x_stride | x_offset | x_block_stride) % 4:
@@ -187,3 +224,26 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
                            x_block_rows, x_block_stride, y_stride, y_offset + done, 0, 0, 0)
         groups = ((hi - lo + rows_per_group - 1) // rows_per_group, (positions + tile - 1) // tile)
         plan.add(key, [params, Binding(piece.buffer), levels, xh, y], groups, label=f"matmul {pack.name}")
+
+
+def _matmul_bands(plan, arena, pack: CQPack, levels, xh, y, *, positions, x_stride, y_stride, x_offset, y_offset,
+                  row_start, rows, x_block_rows, x_block_stride, tile) -> None:
+    """``matmul`` over a pack of several widths: one dispatch per band the rows overlap.
+
+    With input blocks (``x_block_rows``), a band is cut further at block boundaries so each
+    dispatch reads one block of xh at its own offset.
+    """
+    end = row_start + rows
+    for first, band in pack.bands:
+        lo, hi = max(row_start, first), min(end, first + band.rows)
+        cuts = [lo]
+        if x_block_rows:
+            step = (lo - row_start) // x_block_rows * x_block_rows + row_start
+            cuts += [b for b in range(step + x_block_rows, hi, x_block_rows)]
+        for a, b in zip(cuts, cuts[1:] + [hi]):
+            if a >= b:
+                continue
+            shift = (a - row_start) // x_block_rows * x_block_stride if x_block_rows else 0
+            matmul(plan, arena, band, levels, xh, y, positions=positions, x_stride=x_stride, y_stride=y_stride,
+                   x_offset=x_offset + shift, y_offset=y_offset + a - row_start, row_start=a - first, rows=b - a,
+                   tile=tile)

@@ -1,9 +1,10 @@
-"""The confidence probe head (spec §7): GPU pooling over positions, host finish (pure Python).
+"""The probe heads (spec §7, §U a: embedding, confidence, router): GPU pooling over
+positions, host finish (pure Python).
 
-Per chunk: cells [T][C][d] (written by embed and mlp_mix) are prepared, each cell's k probe
-rows are a band of ``cq_matmul`` giving scores, and ``probe_pool.wgsl`` folds them into the
-streaming state. After the last chunk the host reads the small state back ([C·k][d + 2]) and
-finishes steps 1-3 of §7 with the dequantised query and projection rows.
+Per chunk: cells [T][C][d] (written by embed and mlp_mix) are prepared once, each head's k
+probe rows per cell are a band of ``cq_matmul`` giving scores, and ``probe_pool.wgsl`` folds
+them into that head's streaming state. After the last chunk the host reads the small state
+back ([C·k][d + 2]) and finishes steps 1-3 of §7 with the dequantised query and projection rows.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import math
 import struct
 from array import array
 
-from ..constants import inv_sqrt, ternary_level
+from ..constants import binary_level, inv_sqrt, ternary_level
 from ..errors import UnsupportedModelError
-from ..formats.cact import CQ, CactFile
+from ..formats.cact import BINARY, CQ, CONFIDENCE_HEAD, EMBEDDING_HEAD, ROUTER_HEAD, TERNARY, CactFile
 from ..gpu.device import Plan, UniformArena
 from . import cq
 from .cq import fwht_scale
 
-CONFIDENCE = 2
+CONFIDENCE, EMBEDDING, ROUTER = CONFIDENCE_HEAD, EMBEDDING_HEAD, ROUTER_HEAD
+HEAD_NAMES = {EMBEDDING: "embedding", CONFIDENCE: "confidence", ROUTER: "router"}
 
 
 def pool_reset_bytes(probes: int, d: int) -> bytes:
@@ -28,11 +30,13 @@ def pool_reset_bytes(probes: int, d: int) -> bytes:
     return row * probes
 
 
-def pool(plan: Plan, arena: UniformArena, *, scores, cells, state, d: int, positions: int, probes: int,
-         per_cell: int, cells_count: int) -> None:
-    """Fold the chunk's scores [T][C·k] and cells [T][C][d] into the pool state (§7 step 1)."""
+def pool(plan: Plan, arena: UniformArena, step, *, scores, cells, state, tokens, d: int, positions: int,
+         probes: int, per_cell: int, cells_count: int) -> None:
+    """Fold the chunk's scores [T][C·k] and cells [T][C][d] into the pool state (§7 step 1),
+    skipping positions whose token (``tokens`` [context], at step.pos0 + t) is the pad id 0."""
     params = arena.add(d, positions, probes, per_cell, cells_count * d, inv_sqrt(d), 0, 0)
-    plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state], (probes,), label="probe_pool")
+    plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state, step, tokens], (probes,),
+             label="probe_pool")
 
 
 def unpack_codes(data: bytes, bits: int) -> list:
@@ -54,9 +58,13 @@ def dequantize_row(container: CactFile, name: str, row: int) -> array:
     """
     t = container[name]
     assert t.dtype == CQ
-    levels = container.levels(t.bits) or (-ternary_level(t.group), 0.0, ternary_level(t.group))
-    table = list(levels) if t.bits != 5 else [0.0, levels[2], 0.0, levels[0]]
-    codes = unpack_codes(bytes(t.codes[row * t.row_bytes : (row + 1) * t.row_bytes]), 2 if t.bits == 5 else t.bits)
+    if t.bits == TERNARY:  # crumbs 0, 1, 2 (invalid), 3 (§5.2)
+        table = [0.0, ternary_level(t.group), 0.0, -ternary_level(t.group)]
+    elif t.bits == BINARY:  # §U b
+        table = [-binary_level(t.group), binary_level(t.group)]
+    else:
+        table = list(container.levels(t.bits))
+    codes = unpack_codes(bytes(t.codes[row * t.row_bytes : (row + 1) * t.row_bytes]), 2 if t.bits == TERNARY else t.bits)
     norms = struct.unpack_from(f"<{t.num_groups}e", t.norms, row * t.num_groups * 2)
     scale = fwht_scale(t.group)
     out = array("d")
@@ -89,12 +97,15 @@ def _halves(data) -> array:
 MAX_HOST_WORK = 1 << 23
 
 
-class ConfidenceHead:
-    """Host side of the confidence head: small tensors decoded at load, the query and
-    projection rows decoded at the first use (their cost is bounded by ``check``)."""
+class ProbeHead:
+    """Host side of one probe head (manifest entry ``h``): small tensors decoded at load, the
+    query and projection rows decoded at the first use (their cost is bounded by ``check``)."""
 
-    def __init__(self, container: CactFile):
-        h = container.head_codes.index(CONFIDENCE)
+    def __init__(self, container: CactFile, h: int | None = None):
+        if h is None:  # the confidence head
+            h = container.head_codes.index(CONFIDENCE)
+        self.code = code = container.head_codes[h]
+        self.name = HEAD_NAMES[code]
         self.prefix = prefix = f"heads.{h}."
         self._container = container
         g = container.geometry
@@ -105,18 +116,21 @@ class ConfidenceHead:
         query = container[prefix + "query"]
         self.queries = query.rows
         self.row_bias = _halves(container[prefix + "row_bias"].data)
-        self.bias = struct.unpack("<e", container[prefix + "bias"].data)[0]
+        self.outputs = container[prefix + "proj"].rows
+        self.bias = list(_halves(container[prefix + "bias"].data))
+        self.calibration = (list(_halves(container[prefix + "calibration"].data)) if code == ROUTER else None)
         self.probes = container[prefix + "probes"]
         log_group = max(1, query.group.bit_length() - 1)
         self.host_work = (self.queries * self.probe_rows * self.d
-                          + (2 * self.queries + self.probe_rows) * self.d * log_group)
+                          + (self.queries + self.outputs) * self.queries * self.d * log_group
+                          + self.outputs * self.queries * self.d)
         self._query = self._proj = None
 
     def check(self) -> None:
         """Refuse a head whose host finish would take more than ``MAX_HOST_WORK`` operations."""
         if self.host_work > MAX_HOST_WORK:
             raise UnsupportedModelError(
-                f"confidence head: {self.queries} queries x {self.probe_rows} probes x d {self.d} need "
+                f"{self.name} head: {self.queries} queries x {self.probe_rows} probes x d {self.d} need "
                 f"{self.host_work} host operations per request (at most {MAX_HOST_WORK})")
 
     @property
@@ -126,9 +140,9 @@ class ConfidenceHead:
         return self._query
 
     @property
-    def proj(self) -> array:
+    def proj(self) -> list:
         if self._proj is None:
-            self._proj = dequantize_row(self._container, self.prefix + "proj", 0)
+            self._proj = [dequantize_row(self._container, self.prefix + "proj", o) for o in range(self.outputs)]
         return self._proj
 
     @property
@@ -136,9 +150,18 @@ class ConfidenceHead:
         return self.cells_count * self.per_cell
 
     def logit(self, state: bytes) -> float:
-        """§7 steps 1 (finish: r = a / s, rms_unit, gain), 2 (query attention) and 3 (projection)."""
+        """The first output: the confidence logit (0.0, probability 0.5, with no position)."""
+        out = self.output(state)
+        return 0.0 if out is None else out[0]
+
+    def output(self, state: bytes) -> list | None:
+        """§7 steps 1 (finish: r = a / s, rms_unit, gain), 2 (query attention) and 3 (projection):
+        the logits plus bias (confidence 1, router 3), or the L2-normalised embedding (§U a).
+        None when the pool holds no position (every one was the pad id 0)."""
         d, count = self.d, self.probe_rows
         values = struct.unpack(f"<{count * (d + 2)}f", state)
+        if not all(values[m * (d + 2) + d + 1] > 0 for m in range(count)):
+            return None
         readouts = []
         for m in range(count):
             row = values[m * (d + 2) : (m + 1) * (d + 2)]
@@ -156,4 +179,11 @@ class ConfidenceHead:
             total = sum(e)
             w = [x / total for x in e]
             pooled += [sum(w[m] * readouts[m][c] for m in range(count)) for c in range(d)]
-        return sum(a * b for a, b in zip(self.proj, pooled)) + self.bias
+        z = [sum(a * b for a, b in zip(row, pooled)) for row in self.proj]
+        if self.code == EMBEDDING:  # no bias (stored as zeros), then L2-normalised
+            inv = 1.0 / math.sqrt(sum(x * x for x in z) + 1e-12)
+            return [x * inv for x in z]
+        return [x + b for x, b in zip(z, self.bias)]
+
+
+ConfidenceHead = ProbeHead  # the head's former name (one head per class now)

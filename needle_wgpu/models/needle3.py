@@ -4,7 +4,7 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 
 from __future__ import annotations
 
-from ..errors import NeedleError, NonFiniteWeightsError, UnsupportedModelError
+from ..errors import InputError, NeedleError, NonFiniteWeightsError, UnsupportedModelError
 from ..formats import cact
 from ..formats.cact import CactFile
 from ..formats.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ class Needle3Gpu:
         weights_before = device.counters.bytes_allocated.get("weights", 0)
         self.report = report = progress or (lambda stage, done, total: None)
         self.group = container["embedding"].group
-        self.levels = device.buffer(256, label="levels", data=cq.levels_bytes(container), kind="weights")
+        self.levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(container), kind="weights")
         self.fp16 = Fp16Store(device, container)
         self.perm = device.buffer(8 * g.hada_n, label="perm", data=permutation_words(container), kind="weights")
         self.hada_shape = mlp_ops.HadaShape.from_cact(container)
@@ -87,14 +87,17 @@ class Needle3Gpu:
                      (container["mhc.phi_res"], i * n * n, (i + 1) * n * n)]
         self.mhc = cq.upload_pack(device, "mhc", band)
         sites = range(len(g.engram_sites))
-        self.engram_kv = cq.upload_pack(
-            device, "engram.kv", [container[f"engram.{s}.{p}"] for s in sites for p in ("key_proj", "value_proj")])
+        self.engram_kv = None  # a model without Engram has no sites (§U c)
+        if sites:
+            self.engram_kv = cq.upload_pack(
+                device, "engram.kv", [container[f"engram.{s}.{p}"] for s in sites for p in ("key_proj", "value_proj")])
         self.engram_tables = [cq.upload_pack(device, f"engram.{s}.tables", [container[f"engram.{s}.tables"]])
                               for s in sites]
-        self.confidence = None
-        if probe_ops.CONFIDENCE in container.head_codes:
-            self.confidence = probe_ops.ConfidenceHead(container)
-            self.probes = cq.upload_pack(device, "probes", [self.confidence.probes])
+        # Probe heads by manifest code (§U a), each with its own probe rows on the GPU.
+        self.heads = {code: probe_ops.ProbeHead(container, h) for h, code in enumerate(container.head_codes)}
+        self.head_probes = {code: cq.upload_pack(device, f"heads.{head.prefix}probes", [head.probes])
+                            for code, head in self.heads.items()}
+        self.confidence = self.heads.get(probe_ops.CONFIDENCE)
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
         report("upload", g.num_layers, g.num_layers)
 
@@ -111,10 +114,12 @@ class Needle3Gpu:
         """Problems of a file that loaded (non-finite weights); requests refuse to run with any."""
         return self.cact.warnings
 
-    def session(self, context=None, kv="f32", confidence=False) -> "Needle3Session":
+    def session(self, context=None, kv="f32", confidence=False, heads=()) -> "Needle3Session":
+        """A session; ``confidence`` (or ``heads``, manifest codes) runs those probe heads'
+        pools alongside every chunk of prefill and decode (§7)."""
         if self.cact.nonfinite:
             raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
-        return Needle3Session(self, context=context, kv=kv, confidence=confidence)
+        return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads)
 
 
 def _pad(width: int, group: int) -> int:
@@ -129,7 +134,7 @@ class Needle3Session(ChunkedSession):
     bind group is built once. Decode is one submit; its only readback is the sampled id.
     """
 
-    def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False):
+    def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False, heads=()):
         g = model.geometry
         self.model = model
         self._open(model.device, context, g.max_seq_len)
@@ -156,25 +161,35 @@ class Needle3Session(ChunkedSession):
         self.a = s(g.d_model, "a")
         self.xfh = s(_pad(g.d_model, G), "xfh")
         self.logits = s(g.head_rows, "logits")
-        self.eh = s(sites * _pad(g.d_model, G), "eh")
-        self.ekv = s(sites * 2 * g.d_model, "ekv")
-        self.ev = s(sites * g.d_model, "ev")
-        self.engram_ring = dev.buffer(F32 * sites * self.ring * g.d_model, label="engram_ring", kind="session")
+        self.eh_width = _pad(g.engram_width, G)  # a fetched row, tables·sub_dim padded (§U c)
+        self.eh = s(max(1, sites * self.eh_width), "eh")
+        self.ekv = s(max(1, sites * 2 * g.d_model), "ekv")
+        self.ev = s(max(1, sites * g.d_model), "ev")
+        self.engram_ring = dev.buffer(F32 * max(1, sites * self.ring * g.d_model), label="engram_ring",
+                                      kind="session")
         self.qkv_rings = [dev.buffer(F32 * self.ring * (g.q_dim + g.k_dim + g.v_dim), label=f"qkv_ring.{i}",
                                      kind="kv") for i in range(g.num_layers)]
         self.cells = None
-        if flag(confidence, "confidence"):
-            # Hidden cells and the §7 probe pool: only sessions that score confidence pay for them.
-            if model.confidence is None:
-                raise UnsupportedModelError("this model file has no confidence head (§7)")
-            head = model.confidence
-            head.check()
+        codes = list(heads_requested(heads))
+        if flag(confidence, "confidence") and probe_ops.CONFIDENCE not in codes:
+            codes.append(probe_ops.CONFIDENCE)
+        self.pools = {}  # manifest code -> (scores, pool state) of each head this session runs
+        if codes:
+            # Hidden cells and the §7 probe pools: only sessions that run heads pay for them.
+            for code in codes:
+                if code not in model.heads:
+                    raise UnsupportedModelError(
+                        f"this model file has no {probe_ops.HEAD_NAMES.get(code, code)} head (§7)")
+                model.heads[code].check()
             C = g.num_layers + 1
             self.cells = dev.buffer(F32 * T * C * g.d_model, label="cells", kind="scratch")
             self.cellsh = dev.buffer(F32 * T * C * _pad(g.d_model, G), label="cellsh", kind="scratch")
-            self.scores = dev.buffer(F32 * T * head.probe_rows, label="scores", kind="scratch")
-            self.pool = dev.buffer(F32 * head.probe_rows * (g.d_model + 2), label="probe_pool", kind="session",
-                                   data=probe_ops.pool_reset_bytes(head.probe_rows, g.d_model))
+            for code in codes:
+                rows = model.heads[code].probe_rows
+                scores = dev.buffer(F32 * T * rows, label=f"scores.{code}", kind="scratch")
+                state = dev.buffer(F32 * rows * (g.d_model + 2), label=f"probe_pool.{code}", kind="session",
+                                   data=probe_ops.pool_reset_bytes(rows, g.d_model))
+                self.pools[code] = (scores, state)
         self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
                                              chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
 
@@ -201,8 +216,9 @@ class Needle3Session(ChunkedSession):
         for s in range(sites):
             engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[s], levels=m.levels,
                              tokens=self.tokens, eh=self.eh, positions=T)
-        cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=d_pad,
-                  y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * d_pad)
+        if sites:
+            cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
+                      y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
         engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
                         ring_size=self.ring, ev=self.ev, positions=T)
 
@@ -250,16 +266,43 @@ class Needle3Session(ChunkedSession):
         return plan
 
     def _build_probe_pool(self, plan: Plan, arena: UniformArena, T: int) -> None:
-        """§7 step 1 for the chunk: probe scores per cell (bands of cq_matmul), then the pool."""
+        """§7 step 1 for the chunk: the cells prepared once, then per head its probe scores per
+        cell (bands of cq_matmul) and its pool."""
         m, g = self.model, self.model.geometry
-        head, G, d = m.confidence, m.group, g.d_model
-        C, k, d_pad = g.num_layers + 1, head.per_cell, _pad(g.d_model, G)
+        G, d = m.group, g.d_model
+        C, d_pad = g.num_layers + 1, _pad(g.d_model, G)
         cq.prepare(plan, arena, self.cells, self.cellsh, width=d, group=G, positions=T * C, x_stride=d)
-        for cell in range(C):
-            cq.matmul(plan, arena, m.probes, m.levels, self.cellsh, self.scores, positions=T, x_stride=C * d_pad,
-                      x_offset=cell * d_pad, y_stride=C * k, y_offset=cell * k, row_start=cell * k, rows=k)
-        probe_ops.pool(plan, arena, scores=self.scores, cells=self.cells, state=self.pool, d=d, positions=T,
-                       probes=C * k, per_cell=k, cells_count=C)
+        for code, (scores, state) in self.pools.items():
+            k = m.heads[code].per_cell
+            for cell in range(C):
+                cq.matmul(plan, arena, m.head_probes[code], m.levels, self.cellsh, scores, positions=T,
+                          x_stride=C * d_pad, x_offset=cell * d_pad, y_stride=C * k, y_offset=cell * k,
+                          row_start=cell * k, rows=k)
+            probe_ops.pool(plan, arena, Binding(self.step_uniform), scores=scores, cells=self.cells, state=state,
+                           tokens=self.tokens, d=d, positions=T, probes=C * k, per_cell=k, cells_count=C)
+
+    def head_output(self, code: int) -> list:
+        """The output of head ``code`` over every position this session has run (§7): the
+        confidence logit [1], the router's 3 logits, or the unit embedding."""
+        if code not in self.pools:
+            raise NeedleError(f"this session does not run the {probe_ops.HEAD_NAMES.get(code, code)} head")
+        if self.position == 0:
+            raise NeedleError("a probe head needs at least one position")
+        out = self.model.heads[code].output(self._pool_state(code))
+        if out is None:
+            raise InputError("a probe head needs at least one token that is not the pad id 0")
+        return out
+
+    def _pool_state(self, code: int) -> bytes:
+        rows = self.model.heads[code].probe_rows
+        return self.device.read(self.pools[code][1], 4 * rows * (self.model.geometry.d_model + 2))
+
+    def confidence_logit_so_far(self) -> float:
+        """The confidence logit over every position run so far (a generation's own forward);
+        0.0 (probability 0.5: no evidence) while every position was the pad id 0."""
+        if probe_ops.CONFIDENCE not in self.pools:
+            raise NeedleError("create the session with confidence=True to score confidence")
+        return self.model.confidence.logit(self._pool_state(probe_ops.CONFIDENCE))
 
     def confidence_logit(self, ids: list) -> float:
         """The confidence head's logit over ``ids`` (prompt + completion, BOS first; §7)."""
@@ -269,6 +312,17 @@ class Needle3Session(ChunkedSession):
         if not ids:
             return 0.0  # no evidence either way: probability 0.5
         self.prefill(ids)
-        head = self.model.confidence
-        state = self.device.read(self.pool, 4 * head.probe_rows * (self.model.geometry.d_model + 2))
-        return head.logit(state)
+        return self.confidence_logit_so_far()
+
+
+def heads_requested(heads) -> tuple:
+    """Manifest codes a session is asked to run: a tuple of ints from 1..3 (§U a)."""
+    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__"):
+        raise InputError("heads must be a sequence of head codes (1 embedding, 2 confidence, 3 router)")
+    codes = []
+    for code in heads:
+        if type(code) is not int or code not in probe_ops.HEAD_NAMES:
+            raise InputError(f"unknown probe head {code!r} (1 embedding, 2 confidence, 3 router)")
+        if code not in codes:
+            codes.append(code)
+    return tuple(codes)

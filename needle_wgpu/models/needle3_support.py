@@ -15,7 +15,6 @@ from ..formats.geometry import Needle3Geometry
 from ..gpu.device import Limits
 from ..kernels import attention as attention_ops
 from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
-from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 
 F32 = 4
@@ -29,7 +28,7 @@ def widest_row_bytes(g: Needle3Geometry, group: int) -> int:
     """Bytes of the widest per-position scratch row of a session: one chunk position of it must
     fit a storage binding (the prefill chunk is as long as the binding limit allows)."""
     sites = len(g.engram_sites)
-    return F32 * max(g.head_rows, g.mhc_width, sites * 2 * g.d_model, sites * _pad(g.d_model, group),
+    return F32 * max(g.head_rows, g.mhc_width, sites * 2 * g.d_model, sites * _pad(g.engram_width, group),
                      g.q_dim + g.k_dim + g.v_dim + g.attn_out)
 
 
@@ -37,6 +36,7 @@ def check_supported(container: CactFile, limits: Limits) -> None:
     """Refuse, before any upload, a model some kernel or this device's limits cannot serve."""
     g = container.geometry
     group = container["embedding"].group  # one group for every CQ tensor (cact checks it)
+    # Every record has its own width (§U b); packs of several widths run one band per width.
     workgroup = limits.max_workgroup_storage
     cq.check(group)
     embed_ops.check(g.d_model, group, workgroup)
@@ -47,7 +47,7 @@ def check_supported(container: CactFile, limits: Limits) -> None:
     cq.check_prepare(g.attn_out, group, workgroup)  # the attention output before out_proj
     mlp_ops.HadaShape.from_cact(container).check(workgroup)
     sample_ops.check(g.head_rows)
-    if probe_ops.CONFIDENCE in container.head_codes:
+    if container.head_codes:
         cq.check_prepare(g.d_model, group, workgroup)  # the hidden cells before the probes
     widest = widest_row_bytes(g, group)
     if widest > limits.max_storage_binding:

@@ -108,21 +108,28 @@ def attend_one_int8(q: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray, 
 
 
 def attend(q: np.ndarray, query_positions: np.ndarray, entries: tuple, key_positions: np.ndarray,
-           span: int, int8: bool = False, scale: float | None = None) -> np.ndarray:
+           span: int, int8: bool = False, scale: float | None = None,
+           key_keep: np.ndarray | None = None) -> np.ndarray:
     """Attention of T query positions (§4.5 item 8, §6 item 1): q [T, H, hd] → [T, H, vd].
 
     `entries` are the cached per-position arrays, aligned with `key_positions`: (keys, values)
     in f32, or (keys_i8, key_scales, values_i8, value_scales) with `int8`. Each query reads
     exactly its visible keys, so a position's result does not depend on what else is batched.
     ``scale``: the f32 score scale of an f32 cache (default 1/sqrt(hd); dense §3 lets the family
-    choose it).
+    choose it). ``key_keep`` (bool per key): keys it marks False are never seen (the pad mask
+    of upstream's hidden cells, §U a); a query that sees no key gets zeros.
     """
     rows = []
+    width = entries[-2].shape[-1] if int8 else entries[-1].shape[-1]
     for t in range(q.shape[0]):
         sees = visible(query_positions[t : t + 1], key_positions, span)[0]
+        if key_keep is not None:
+            sees = sees & key_keep
+            if not sees.any():
+                rows.append(np.zeros((q.shape[1], width), F32))
+                continue
         seen = tuple(entry[sees] for entry in entries)
         rows.append(attend_one_int8(q[t], *seen) if int8 else attend_one(q[t], *seen, scale=scale))
-    width = entries[-2].shape[-1] if int8 else entries[-1].shape[-1]
     return np.stack(rows) if rows else np.zeros((0, q.shape[1], width), F32)
 
 

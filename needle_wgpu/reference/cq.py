@@ -24,11 +24,15 @@ def level_table(bits: int, group: int, codebook_levels) -> np.ndarray:
 
     For 2/3/4 bits this is the header codebook slice (already divided by sqrt(G)). Ternary
     records (bits = 5) hold 2-bit crumbs: 3 → −c, 0 → 0, 1 → +c, and the invalid crumb 2 reads
-    as 0 as in Rust; c = 1.2240064 / sqrt(G).
+    as 0 as in Rust; c = 1.2240064 / sqrt(G). 1-bit records: 0 → −c, 1 → +c, c = sqrt(2/π)/sqrt(G)
+    (§U b).
     """
     if bits == cact.TERNARY:
         c = F32(constants.ternary_level(group))
         return np.array([0.0, c, 0.0, -c], dtype=F32)
+    if bits == cact.BINARY:
+        c = F32(constants.binary_level(group))
+        return np.array([-c, c], dtype=F32)
     levels = np.asarray(codebook_levels, dtype=F32)
     if levels.shape != (1 << bits,):
         raise ValueError(f"{bits}-bit CQ needs {1 << bits} levels, got {levels.shape}")
@@ -43,7 +47,7 @@ def unpack_codes(packed: np.ndarray, bits: int, width: int) -> np.ndarray:
     """
     field_bits = 2 if bits == cact.TERNARY else bits
     rows = packed.shape[0]
-    if field_bits in (2, 4):
+    if field_bits in (1, 2, 4):
         shifts = np.arange(0, 8, field_bits, dtype=np.uint8)
         fields = (packed[:, :, None] >> shifts) & np.uint8((1 << field_bits) - 1)
         return fields.reshape(rows, width)

@@ -90,9 +90,11 @@ def project(key_proj: cq.CQMatrix, value_proj: cq.CQMatrix, fetched: np.ndarray)
 
 
 def value_conv(raw_values: np.ndarray, taps: np.ndarray, dilation: int, max_order: int,
-               positions: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
-    """V_p = Σ_j taps[j] ⊙ Vraw_{p − j·dilation}, both skip conditions of §4.2 applied."""
-    return dilated_causal_conv(raw_values, taps, dilation, positions, max_order, tail)
+               positions: np.ndarray, tail: np.ndarray | None = None,
+               tap_keep: np.ndarray | None = None) -> np.ndarray:
+    """V_p = Σ_j taps[j] ⊙ Vraw_{p − j·dilation}, both skip conditions of §4.2 applied (and
+    ``tap_keep``, the pad mask of §U a)."""
+    return dilated_causal_conv(raw_values, taps, dilation, positions, max_order, tail, tap_keep)
 
 
 def gate(u: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
-from .heads import ProbePool, probe_logit
+from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit, probe_output
 from .ops import F32, causal_conv, conv_tail, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
 
@@ -113,25 +113,46 @@ class ReferenceModel:
             raise ContextFullError(f"context full: all {cache.capacity} positions are used")
         return self.prefill([token_id], cache)[0]
 
-    def confidence_logit(self, ids) -> float:
-        """The confidence head's logit (§7) for a scored sequence (prompt + completion, BOS first).
+    def head_output(self, code: int, ids, pad_masked: bool = False) -> np.ndarray:
+        """The output of the probe head with manifest code ``code`` (§7, §U a) for a sequence
+        (BOS first): [1] confidence logit, [3] router logits, [embedding_dim] unit embedding.
 
-        Cells are produced chunk by chunk and folded into a streaming `ProbePool`. Every position
-        counts: a single unpadded sequence has no pad positions to mask.
+        Cells are produced chunk by chunk and folded into a streaming `ProbePool`; positions
+        holding the pad id 0 are dropped from the probe softmax (§U a). The cells themselves
+        come from the generation pass, which masks by position only (exact while no id 0 occurs).
+        With ``pad_masked`` they are upstream's `hidden_cells` instead: one whole-sequence pass
+        with every pad-dependent term masked (`_forward_chunk`'s ``pad_mask``).
         """
-        head = self.weights.confidence
+        head = self.weights.heads.get(code)
         if head is None:
-            raise UnsupportedModelError("this model file exports no confidence head (§7)")
+            name = {EMBEDDING: "embedding", CONFIDENCE: "confidence", ROUTER: "router"}.get(code, str(code))
+            raise UnsupportedModelError(f"this model file exports no {name} head (§7)")
         tokens = self._checked_sequence(ids)
-        if len(tokens) == 0:
-            raise InputError("confidence needs at least one token")
+        keep = keep_positions(tokens)
+        if not keep.any():
+            raise InputError("a probe head needs at least one token that is not the pad id 0")
         g = self.geometry
+        if pad_masked:
+            _, cells = self._forward_chunk(tokens, 0, None, pad_mask=keep)
+            return probe_output(cells, head, keep)
         pool = ProbePool(head, g.num_layers + 1, g.d_model)
         cache = self.new_cache()
         for lo in range(0, len(tokens), PREFILL_CHUNK):
             _, cells = self._forward_chunk(tokens[lo : lo + PREFILL_CHUNK], cache.length, cache)
-            pool.update(cells)
-        return pool.logit()
+            pool.update(cells, keep[lo : lo + PREFILL_CHUNK])
+        return pool.output()
+
+    def confidence_logit(self, ids) -> float:
+        """The confidence head's logit (§7) for a scored sequence (prompt + completion, BOS first)."""
+        return float(self.head_output(CONFIDENCE, ids)[0])
+
+    def embedding(self, ids) -> np.ndarray:
+        """The embedding head's L2-normalised vector (§7, §U a)."""
+        return self.head_output(EMBEDDING, ids)
+
+    def route(self, ids) -> tuple:
+        """The router head's three raw logits and its stored calibration (§U a)."""
+        return self.head_output(ROUTER, ids), self.weights.heads[ROUTER].calibration
 
     def confidence(self, ids) -> float:
         """Probability σ(logit) of the confidence head (§7 step 3)."""
@@ -142,7 +163,8 @@ class ReferenceModel:
         head = self.weights.confidence
         if head is None:
             raise UnsupportedModelError("this model file exports no confidence head (§7)")
-        return probe_logit(self.forward_cells(ids), head)
+        tokens = self._checked_sequence(ids)
+        return probe_logit(self.forward_cells(tokens), head, keep_positions(tokens))
 
     # ------------------------------------------------------------------ the graph (§4)
 
@@ -157,15 +179,20 @@ class ReferenceModel:
         x_final = zc_rms_norm(lane_means, self.weights.final_norm)
         return cq.matmul(self.weights.embedding, x_final, 0, self.head_rows)
 
-    def _forward_chunk(self, tokens: np.ndarray, start: int, cache: KVCache | None) -> tuple:
+    def _forward_chunk(self, tokens: np.ndarray, start: int, cache: KVCache | None,
+                       pad_mask: np.ndarray | None = None) -> tuple:
         """Positions start … start+T−1 through every layer (§4.1-§4.8).
 
         Returns the final lane means [T, d] and the cells [T, L+1, d]. With a cache, the chunk
         attends to what it holds and leaves its own state there; without one, it is the whole
-        sequence from position 0.
+        sequence from position 0. ``pad_mask`` (whole sequence, no cache; bool per position,
+        False at id 0) masks as upstream's `hidden_cells` (§U a): attention keys at pads, q/k/v
+        conv taps j ≥ 1 reading a pad, engram tables whose n-gram starts at a pad and engram
+        value-conv taps (tap 0 included) at p − j·max_order on a pad.
         """
         g, w = self.geometry, self.weights
         positions = np.arange(start, start + len(tokens))
+        self._pad_mask = pad_mask
         x0 = self.embed(tokens)
         engram_kv = self._engram(tokens, positions, cache)
         lanes = mhc.broadcast_lanes(x0, g.mhc_lanes)  # §4.3
@@ -187,6 +214,8 @@ class ReferenceModel:
     def _engram(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache | None) -> list:
         """Keys and convolved values [T, d] of every Engram site, computed before the layers (§4.2)."""
         g = self.geometry
+        if not self.weights.engram:  # a model without Engram (§U c)
+            return []
         if cache is not None:
             history = cache.token_history
         else:
@@ -194,13 +223,18 @@ class ReferenceModel:
         idx = engram.hash_indices(tokens, history, g.engram_orders, g.engram_heads,
                                   g.engram_seed_heads, g.engram_slots)
         valid = engram.hash_validity(positions, g.engram_orders, g.engram_heads)
+        keep, value_keep = self._pad_mask, None
+        if keep is not None:  # τ_{p−o} ≠ 0 at offset o = order − 1 and at o = j·max_order (§U a)
+            orders = np.repeat(np.asarray(g.engram_orders), g.engram_heads)
+            valid = valid & np.stack([_shifted(keep, o - 1) for o in orders], axis=1)
+            value_keep = np.stack([_shifted(keep, j * g.engram_max_order) for j in range(g.engram_conv_taps)])
         out = []
         for s, site in enumerate(self.weights.engram):
             fetched = engram.fetch(site.tables, idx, valid, g.engram_slots, g.engram_sub_dim)
             keys, raw_values = engram.project(site.key_proj, site.value_proj, fetched)
             tail = cache.engram_tails[s] if cache is not None else None
             values = engram.value_conv(raw_values, site.taps, g.engram_conv_dilation, g.engram_max_order,
-                                       positions, tail)
+                                       positions, tail, value_keep)
             if cache is not None:
                 cache.engram_tails[s] = conv_tail(tail, raw_values)  # §6 item 3: pre-conv values
             out.append((keys, values))
@@ -228,7 +262,11 @@ class ReferenceModel:
         q, k, v, gate = attention.project(h, p)  # item 3
         if p.q_taps is not None:  # item 4
             tails = (None, None, None) if state is None else (state.q_tail, state.k_tail, state.v_tail)
-            convolved = [causal_conv(x, taps, tail)
+            tap_keep = None
+            if self._pad_mask is not None:  # tap j ≥ 1 skipped where τ_{t−j} = 0 (§U a)
+                tap_keep = np.stack([np.ones(len(h), bool)] + [_shifted(self._pad_mask, j)
+                                                               for j in range(1, p.q_taps.shape[0])])
+            convolved = [causal_conv(x, taps, tail, tap_keep)
                          for x, taps, tail in zip((q, k, v), (p.q_taps, p.k_taps, p.v_taps), tails)]
             if state is not None:
                 state.roll_tails(q, k, v)  # §6 item 2: the tails keep pre-conv rows
@@ -264,9 +302,11 @@ class ReferenceModel:
             key_positions = np.concatenate((past_positions, positions))
             ring.write(positions, new)
         span = self.geometry.attention_span(layer)
-        return attention.attend(q_heads, positions, entries, key_positions, span, int8)
+        return attention.attend(q_heads, positions, entries, key_positions, span, int8, key_keep=self._pad_mask)
 
     # ------------------------------------------------------------------ checks
+
+    _pad_mask = None  # set per chunk by _forward_chunk
 
     def _checked_sequence(self, ids) -> np.ndarray:
         tokens = saturate_ids(ids)
@@ -277,3 +317,11 @@ class ReferenceModel:
     def _check_cache(self, cache: KVCache) -> None:
         if not isinstance(cache, KVCache) or cache.geometry != self.geometry:
             raise InputError("this cache was not made for this model (use model.new_cache())")
+
+
+def _shifted(keep: np.ndarray, offset: int) -> np.ndarray:
+    """keep[p − offset] (False where p < offset): upstream's mask diagonal at ``offset`` (§U a)."""
+    out = np.zeros(len(keep), bool)
+    if offset < len(keep):
+        out[offset:] = keep[: len(keep) - offset]
+    return out

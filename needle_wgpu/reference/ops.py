@@ -218,12 +218,14 @@ def rope_pairs(x: np.ndarray, positions: np.ndarray, base: float, dims: int, sty
 # ---------------------------------------------------------------------------- convolutions
 
 
-def causal_conv(x: np.ndarray, taps: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
+def causal_conv(x: np.ndarray, taps: np.ndarray, tail: np.ndarray | None = None,
+                tap_keep: np.ndarray | None = None) -> np.ndarray:
     """Per-channel causal convolution over positions (§4.5 item 4, §6 item 2).
 
     out_t = Σ_j taps[j] ⊙ x_{t−j}; tap 0 multiplies the current position. x is [T, C], taps
     [K, C]. `tail` holds the K−1 inputs just before x (most recent last), as a decode cache keeps
-    them; without it the inputs before the sequence are zero.
+    them; without it the inputs before the sequence are zero. ``tap_keep`` [K, T] (bool) drops
+    tap j at position t where it is False (the pad mask, §U a).
     """
     k = taps.shape[0]
     if tail is None:
@@ -231,12 +233,14 @@ def causal_conv(x: np.ndarray, taps: np.ndarray, tail: np.ndarray | None = None)
     padded = np.concatenate((tail, x), axis=0)  # padded[k−1+t] = x_t
     out = np.zeros_like(x, dtype=F32)
     for j in range(k):
-        out += taps[j] * padded[k - 1 - j : k - 1 - j + x.shape[0]]
+        term = taps[j] * padded[k - 1 - j : k - 1 - j + x.shape[0]]
+        out += term if tap_keep is None else np.where(tap_keep[j][:, None], term, F32(0))
     return out
 
 
 def dilated_causal_conv(x: np.ndarray, taps: np.ndarray, dilation: int, positions: np.ndarray,
-                        min_history: int, tail: np.ndarray | None = None) -> np.ndarray:
+                        min_history: int, tail: np.ndarray | None = None,
+                        tap_keep: np.ndarray | None = None) -> np.ndarray:
     """The Engram value convolution (§4.2, §6 item 3): out_p = Σ_j taps[j] ⊙ x_{p − j·dilation}.
 
     Tap j is skipped at absolute position p when j·dilation > p or p < j·min_history, both
@@ -253,6 +257,8 @@ def dilated_causal_conv(x: np.ndarray, taps: np.ndarray, dilation: int, position
     for j in range(k):
         shift = j * dilation
         used = ((shift <= positions) & (positions >= j * min_history))[:, None]
+        if tap_keep is not None:
+            used = used & tap_keep[j][:, None]
         out += np.where(used, taps[j] * padded[span - shift : span - shift + x.shape[0]], F32(0))
     return out
 

@@ -17,7 +17,7 @@ from .attention import AttentionParams
 from .cq import CQMatrix
 from .engram import EngramSite
 from .hada_mlp import HadaParams
-from .heads import CONFIDENCE, ProbeHeadParams
+from .heads import CONFIDENCE, ROUTER, ProbeHeadParams
 from .mhc import MhcLayer
 from .ops import F32
 
@@ -53,7 +53,12 @@ class Needle3Weights:
     phi_res: CQMatrix  # [L·n², n·d]
     engram: tuple  # EngramSite per site
     final_norm: np.ndarray  # [d]
-    confidence: ProbeHeadParams | None  # the §7 head with manifest code 2, if exported
+    heads: dict  # manifest code (§U a: 1 embedding, 2 confidence, 3 router) -> ProbeHeadParams
+
+    @property
+    def confidence(self) -> ProbeHeadParams | None:
+        """The §7 head with manifest code 2, if exported."""
+        return self.heads.get(CONFIDENCE)
 
 
 def load_weights(f: cact.CactFile) -> Needle3Weights:
@@ -96,18 +101,17 @@ def load_weights(f: cact.CactFile) -> Needle3Weights:
         geometry=g, embedding=cq_matrix("embedding"), attention=tuple(attention), hada=tuple(hada),
         mhc=tuple(mhc), phi_pre=cq_matrix("mhc.phi_pre"), phi_post=cq_matrix("mhc.phi_post"),
         phi_res=cq_matrix("mhc.phi_res"), engram=engram, final_norm=float_array(f["final_norm"]),
-        confidence=_confidence_head(f, cq_matrix))
+        heads={code: _probe_head(f, cq_matrix, h, code) for h, code in enumerate(f.head_codes)})
 
 
-def _confidence_head(f: cact.CactFile, cq_matrix) -> ProbeHeadParams | None:
-    """The head whose manifest code is 2 (§7); heads are numbered in manifest order."""
-    if CONFIDENCE not in f.head_codes:
-        return None
-    prefix = f"heads.{f.head_codes.index(CONFIDENCE)}."
+def _probe_head(f: cact.CactFile, cq_matrix, h: int, code: int) -> ProbeHeadParams:
+    """Head h of the manifest (§7, §U a); heads are numbered in manifest order."""
+    prefix = f"heads.{h}."
     head = ProbeHeadParams(
         probes=cq_matrix(prefix + "probes"), gain=float_array(f[prefix + "gain"]),
         query=cq_matrix(prefix + "query"), row_bias=float_array(f[prefix + "row_bias"]),
-        proj=cq_matrix(prefix + "proj"), bias=float(float_array(f[prefix + "bias"])[0]))
+        proj=cq_matrix(prefix + "proj"), bias=float_array(f[prefix + "bias"]), code=code,
+        calibration=float_array(f[prefix + "calibration"]) if code == ROUTER else None)
     if head.probes.cols != f.geometry.d_model or head.query.cols != f.geometry.d_model:
         raise UnsupportedModelError(f"{prefix}probes/query: width is not d_model {f.geometry.d_model}")
     return head

@@ -18,7 +18,7 @@ GATE = 1e-5  # f32 sums in a different order than the reference: a few ulps of t
 def random_cq(rng, rows, cols, bits, group=128, name="w"):
     """A CQ record with random codes and norms (no encoder needed: any codes are valid)."""
     in_pad = -(-cols // group) * group
-    row_bytes = in_pad * (2 if bits == cact.TERNARY else bits) // 8
+    row_bytes = in_pad * (2 if bits == cact.TERNARY else bits) // 8  # 1-bit: 8 codes a byte
     codes = rng.integers(0, 256, size=rows * row_bytes, dtype=np.uint8).tobytes()
     norms = rng.uniform(0.5, 2.0, size=rows * (in_pad // group)).astype("<f2").tobytes()
     blob = memoryview(codes + norms)
@@ -38,7 +38,7 @@ class FakeCact:
 
 def run_matmul(device, tensors, x, *, row_start=0, rows=None, levels_source=None):
     fake = levels_source or FakeCact(tensors[0])
-    levels = device.buffer(256, label="levels", data=cq.levels_bytes(fake))
+    levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(fake))
     pack = cq.upload_pack(device, "test", tensors)
     T, width = x.shape
     in_pad = pack.in_pad
@@ -57,7 +57,7 @@ def run_matmul(device, tensors, x, *, row_start=0, rows=None, levels_source=None
 
 
 def reference(tensors, fake, x, row_start=0, rows=None):
-    mats = [ref_cq.CQMatrix.from_tensor(t, fake.levels(t.bits) if t.bits != cact.TERNARY else ()) for t in tensors]
+    mats = [ref_cq.CQMatrix.from_tensor(t, fake.levels(t.bits)) for t in tensors]
     y = np.concatenate([ref_cq.matmul(m, x) for m in mats], axis=1)
     rows = y.shape[1] - row_start if rows is None else rows
     return y[:, row_start : row_start + rows]
@@ -76,7 +76,7 @@ def rel(got, want):
     return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, cact.TERNARY])
+@pytest.mark.parametrize("bits", [cact.BINARY, 2, 3, 4, cact.TERNARY])
 @pytest.mark.parametrize("T", [1, 3, 17])
 def test_matmul_all_widths(variant, bits, T):
     device = variant
@@ -95,6 +95,43 @@ def test_pack_band_and_rows(variant):
     x = rng.normal(size=(5, 384)).astype(np.float32)
     _, got, fake, _ = run_matmul(device, parts, x, row_start=24, rows=24)
     assert rel(got, reference(parts, fake, x, row_start=24, rows=24)) <= GATE
+
+
+def test_pack_of_mixed_widths(variant):
+    """Every record has its own width (§U b): a pack of five widths runs one band per width,
+    and a row range across bands reads each band's rows at their own offset."""
+    device = variant
+    rng = np.random.default_rng(11)
+    parts = [random_cq(rng, rows=r, cols=200, bits=b)
+             for r, b in ((6, 1), (5, 2), (7, 3), (4, 4), (9, cact.TERNARY), (3, 4))]
+    x = rng.normal(size=(5, 200)).astype(np.float32)
+    _, got, fake, pack = run_matmul(device, parts, x)
+    assert [band.bits for _, band in pack.bands] == [1, 2, 3, 4, cact.TERNARY, 4]
+    assert rel(got, reference(parts, fake, x)) <= GATE
+    _, got, _, _ = run_matmul(device, parts, x, row_start=8, rows=20)
+    assert rel(got, reference(parts, fake, x, row_start=8, rows=20)) <= GATE
+
+
+def test_mixed_pack_with_input_blocks(device):
+    """The engram [key; value] pack: blocks of rows read their own block of xh, with the key and
+    value projections of one site at different widths (a band boundary inside a block)."""
+    rng = np.random.default_rng(12)
+    d, T = 8, 3
+    parts = [random_cq(rng, rows=d, cols=128, bits=b) for b in (3, 1, 4, 4)]  # 2 sites x (key, value)
+    fake = FakeCact(parts[0])
+    levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(fake))
+    pack = cq.upload_pack(device, "kv", parts)
+    xs = rng.normal(size=(2, T, 128)).astype(np.float32)  # [site][t][in]
+    xh_data = np.stack([ref_cq.prepare_input(x, 128) for x in xs])
+    xh = device.buffer(xh_data.nbytes, label="xh", data=xh_data.tobytes())
+    y = device.buffer(4 * T * 4 * d, label="y")
+    arena, plan = UniformArena(device), Plan(device, "test")
+    cq.matmul(plan, arena, pack, levels, xh, y, positions=T, x_stride=128, y_stride=4 * d,
+              x_block_rows=2 * d, x_block_stride=T * 128)
+    device.run(plan)
+    got = np.frombuffer(device.read(y, 4 * T * 4 * d), np.float32).reshape(T, 4 * d)
+    want = np.concatenate([reference([p], fake, xs[i // 2]) for i, p in enumerate(parts)], axis=1)
+    assert rel(got, want) <= GATE
 
 
 def test_fixture_tensors(variant, fixture_dir):

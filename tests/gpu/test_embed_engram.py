@@ -32,7 +32,7 @@ class Gpu:
 
     def __init__(self, device, f):
         self.device, self.f, self.g = device, f, f.geometry
-        self.levels = device.buffer(256, label="levels", data=cq.levels_bytes(f))
+        self.levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(f))
         self.fp16 = Fp16Store(device, f)
         self.embedding = cq.upload_pack(device, "embedding", [f["embedding"]])
         sites = range(len(self.g.engram_sites))
@@ -143,7 +143,7 @@ def test_embed_any_width(device, gpu, bits):
     blob = memoryview(codes + norms)
     tensor = cact.Tensor(0, "embedding", cact.CQ, (vocab, d), 0, len(blob), group, bits, blob)
     source = RandomLevels(tensor)
-    levels = device.buffer(256, label="levels", data=cq.levels_bytes(source))
+    levels = device.buffer(cq.LEVELS_BYTES, label="levels", data=cq.levels_bytes(source))
     pack = cq.upload_pack(device, "embedding", [tensor])
     g = dataclasses.replace(gpu.g, vocab=vocab, out_vocab=vocab, d_model=d)
     ids = [0, 39, 40, 7, 1 << 31]
