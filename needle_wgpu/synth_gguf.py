@@ -1,7 +1,7 @@
 """Tiny random dense GGUF files for tests (spec dense-gguf.md §9, "without a real file").
 
 `write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic llama / qwen2 /
-qwen3 model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
+qwen3 / gemma3 model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
 (Q8_0 by default), norms and biases in F32, and SmolLM2's tokenizer metadata when the SmolLM2
 file is installed (else a minimal byte-level vocabulary). NumPy and PyPI `gguf` are needed
 (test-time only, like `synth.py`).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
 
 
@@ -42,6 +42,8 @@ class SynthDense:
     rope_base: float = 10000.0
     eps: float | None = None    # None: 1e-5 for llama, 1e-6 for qwen (their files' values)
     context: int = 512
+    sliding_window: int = 4     # gemma3: the sliding layers' window (small, so prompts exceed it)
+    rope_scaling: float = 0.0   # linear RoPE scaling factor (rope.scaling.factor); 0 = none
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
@@ -54,6 +56,8 @@ class SynthDense:
             raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
         tied = self.tied if self.tied is not None else self.arch != "qwen2"
         eps = self.eps if self.eps is not None else (1e-5 if self.arch == "llama" else 1e-6)
+        if self.arch == "gemma3" and self.n_layers < 6:
+            raise ValueError("a gemma3 file needs 6 layers or more to hold a global layer (il % 6 == 5)")
         return replace(self, tied=tied, eps=eps)
 
 
@@ -189,7 +193,7 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
             t[b + "attn_q.bias"] = _bias(rng, q_width)
             t[b + "attn_k.bias"] = _bias(rng, kv_width)
             t[b + "attn_v.bias"] = _bias(rng, kv_width)
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "gemma3"):
             t[b + "attn_q_norm.weight"] = _norm(rng, s.head_dim)
             t[b + "attn_k_norm.weight"] = _norm(rng, s.head_dim)
         t[b + "attn_output.weight"] = _matrix(rng, d, q_width, s.layer_gain / np.sqrt(q_width))
@@ -198,6 +202,13 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t[b + "ffn_up.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
         # silu(g)·u of unit-variance g, u has RMS ~0.6: scale down by it to keep layer_gain
         t[b + "ffn_down.weight"] = _matrix(rng, d, s.n_ff, s.layer_gain / 0.6 / np.sqrt(s.n_ff))
+        if s.arch == "gemma3":
+            # The post-norms set each branch's RMS to their weights' size; the residual stream
+            # starts at embed_scale · sqrt(d) (the scaled embedding): weights of layer_gain times
+            # that keep the layers' share as for the other archs (Gemma's own are large too).
+            post_gain = s.layer_gain * s.embed_scale * np.sqrt(d)
+            t[b + "post_attention_norm.weight"] = _norm(rng, d) * np.float32(post_gain)
+            t[b + "post_ffw_norm.weight"] = _norm(rng, d) * np.float32(post_gain)
     return t
 
 
@@ -231,6 +242,11 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     writer.add_float32(f"{a}.rope.freq_base", s.rope_base)
     writer.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
     writer.add_uint32(f"{a}.vocab_size", len(tokens))
+    if a == "gemma3":
+        writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if s.rope_scaling:
+        writer.add_string(f"{a}.rope.scaling.type", "linear")
+        writer.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling)
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():
