@@ -89,8 +89,14 @@ def test_greedy_reproduces_the_spec_golden(gemma, prompts):
 
 
 def test_next_token_matches_llamacpp(gemma, gemma_file, prompts, engine_logits):
-    """Top-10 overlap >= 8 and KL(llama.cpp || engine) within SmolLM2's bounds (their reason:
-    llama.cpp's 8-bit activations; tests/test_dense_reference.py)."""
+    """Top-10 overlap >= 8 and KL(llama.cpp || engine) within SmolLM2's bounds: the mean over the
+    prompts <= 1e-2, any one <= 3e-2 (the reason, llama.cpp's 8-bit activations, is in
+    tests/test_dense_reference.py). Measured: 0.0035, 0.0143, 0.0022. The code prompt exceeds
+    1e-2 as SmolLM2's does (a flat distribution after an indent), and the gap is llama.cpp's: a
+    float64 forward of the same file gives the same KL (0.01434), the f32 reference sits
+    2.8e-5 from it and llama.cpp 0.92 (max |log p| difference over tokens with log p > -20;
+    "Paris": 2.5e-5 vs 0.92). The float64 run is not repeated here (~5 s a prompt on this head).
+    The graph alone is checked against llama.cpp on F32 copies of the synthetic gemma3 files."""
     pytest.importorskip("xllamacpp", reason="xllamacpp (llama.cpp's server) is a dev dependency")
     from llamacpp_oracle import compare_next_token, oracle_for
 
