@@ -68,8 +68,9 @@ def test_tied_head_is_split_by_rows_under_the_default_binding_limit(gemma):
     assert g.tied_head and head is gemma.gpu.embedding
     assert len(head.parts) >= 2
     assert all(part.buffer.size <= BINDING_LIMIT for part in head.parts)
-    assert [(part.first, part.rows) for part in head.parts][0][0] == 0
-    assert sum(part.rows for part in head.parts) == g.vocab
+    starts = [part.first for part in head.parts]
+    assert starts == [sum(part.rows for part in head.parts[:i]) for i in range(len(head.parts))]
+    assert sum(part.rows for part in head.parts) == g.vocab  # whole rows, in order, all of them
 
 
 def test_every_position_matches_the_reference(engine_logits, reference):
