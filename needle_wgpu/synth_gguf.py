@@ -1,7 +1,7 @@
 """Tiny random dense GGUF files for tests (spec dense-gguf.md §9, "without a real file").
 
 `write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic llama / qwen2 /
-qwen3 / qwen3moe / olmoe model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
+qwen3 / gemma3 / qwen3moe / olmoe model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
 (Q8_0 by default), norms and biases in F32, and SmolLM2's tokenizer metadata when the SmolLM2
 file is installed (else a minimal byte-level vocabulary). NumPy and PyPI `gguf` are needed
 (test-time only, like `synth.py`). MoE files have `n_expert` experts (8 by default) of width
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "olmoe")
 MOE_ARCHS = ("qwen3moe", "olmoe")
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
 
@@ -45,6 +45,8 @@ class SynthDense:
     rope_base: float = 10000.0
     eps: float | None = None    # None: 1e-5 for llama, 1e-6 for qwen (their files' values)
     context: int = 512
+    sliding_window: int = 4     # gemma3: the sliding layers' window (small, so prompts exceed it)
+    rope_scaling: float = 0.0   # linear RoPE scaling factor (rope.scaling.factor); 0 = none
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
@@ -60,6 +62,8 @@ class SynthDense:
             raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
         tied = self.tied if self.tied is not None else self.arch not in ("qwen2", "olmoe")
         eps = self.eps if self.eps is not None else (1e-5 if self.arch == "llama" else 1e-6)
+        if self.arch == "gemma3" and self.n_layers < 6:
+            raise ValueError("a gemma3 file needs 6 layers or more to hold a global layer (il % 6 == 5)")
         # llama.cpp's olmoe loader wants attn_k_norm [d]: no GQA (OLMoE has none)
         kv_heads = self.n_head if self.arch == "olmoe" else self.n_head_kv
         return replace(self, tied=tied, eps=eps, n_head_kv=kv_heads)
@@ -197,7 +201,7 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
             t[b + "attn_q.bias"] = _bias(rng, q_width)
             t[b + "attn_k.bias"] = _bias(rng, kv_width)
             t[b + "attn_v.bias"] = _bias(rng, kv_width)
-        if s.arch in ("qwen3", "qwen3moe"):
+        if s.arch in ("qwen3", "gemma3", "qwen3moe"):
             t[b + "attn_q_norm.weight"] = _norm(rng, s.head_dim)
             t[b + "attn_k_norm.weight"] = _norm(rng, s.head_dim)
         if s.arch == "olmoe":  # full width, before the head split (§2)
@@ -217,6 +221,13 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t[b + "ffn_up.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
         # silu(g)·u of unit-variance g, u has RMS ~0.6: scale down by it to keep layer_gain
         t[b + "ffn_down.weight"] = _matrix(rng, d, s.n_ff, s.layer_gain / 0.6 / np.sqrt(s.n_ff))
+        if s.arch == "gemma3":
+            # The post-norms set each branch's RMS to their weights' size; the residual stream
+            # starts at embed_scale · sqrt(d) (the scaled embedding): weights of layer_gain times
+            # that keep the layers' share as for the other archs (Gemma's own are large too).
+            post_gain = s.layer_gain * s.embed_scale * np.sqrt(d)
+            t[b + "post_attention_norm.weight"] = _norm(rng, d) * np.float32(post_gain)
+            t[b + "post_ffw_norm.weight"] = _norm(rng, d) * np.float32(post_gain)
     return t
 
 
@@ -255,6 +266,11 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
         writer.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
         if a == "qwen3moe":
             writer.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff)
+    if a == "gemma3":
+        writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if s.rope_scaling:
+        writer.add_string(f"{a}.rope.scaling.type", "linear")
+        writer.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling)
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():

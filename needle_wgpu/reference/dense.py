@@ -1,5 +1,5 @@
-"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3 and the MoE pair qwen3moe, olmoe
-(spec dense-gguf.md §1-§3).
+"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3, gemma3 and the MoE pair
+qwen3moe, olmoe (spec dense-gguf.md §1-§3).
 
 The oracle the GPU engine's dense kernels are tested against, itself checked against llama.cpp
 (tests/test_dense_reference.py). Float32 by default; `dtype=np.float64` runs the same graph on
@@ -12,9 +12,10 @@ many positions were computed together: products go through `matmul` (einsum, no 
 blocking depends on the batch) and attention runs per query over exactly its visible keys. So a
 prefill followed by decode steps equals one all-positions forward bit for bit.
 
-Per-architecture differences live in one table, `ARCHITECTURES`; the MoE (qwen3moe, olmoe) and
-gemma3 variants of §3 extend `ArchRules` (an `ffn` kind in `FFNS`, embedding scale, post-norms,
-sliding layers) without touching the graph below.
+Per-architecture differences live in one table, `ARCHITECTURES`, and a few small functions
+(`DenseConfig.attention_scale`, `is_sliding`, `layer_rope`): Gemma 3's embedding scale,
+post-norms, GELU FFN and sliding layers are rules there, not a second graph. The MoE variants
+(qwen3moe, olmoe) are to extend it the same way (an `ffn` kind in `FFNS`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import rope
+from .. import constants, rope
 from ..errors import ContainerError, InputError, UnsupportedModelError
 from .gguf_weights import GgufWeights
+from .ops import gelu_gated
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,12 @@ class ArchRules:
     qk_norm: str | None = None       # "head": per-head RMSNorm over head_dim (qwen3, qwen3moe);
                                      # "full": over the whole q / k row before the head split (olmoe)
     qkv_bias: bool = False           # attn_{q,k,v}.bias required (qwen2); elsewhere used if present
-    ffn: str = "dense"               # a key of FFNS ("dense" or "moe")
+    ffn: str = "dense"               # a key of FFNS ("dense", "gelu" or "moe")
     renormalise: bool = False        # MoE: top-k weights divided by their sum (qwen3moe, not olmoe)
+    embedding_scale: bool = False    # x = embedding row · sqrt(d) (gemma3)
+    post_norms: bool = False         # RMSNorm of the attention and FFN outputs before each residual add
+    sliding_every: int = 0           # n > 0: layer il is global when il % n == n − 1, else sliding
+    local_rope_base: float = 0.0     # the sliding layers' RoPE base (not in the file; §1)
 
 
 ARCHITECTURES = {
@@ -47,7 +53,11 @@ ARCHITECTURES = {
     "qwen3": ArchRules(rope.NEOX, qk_norm="head"),
     "qwen3moe": ArchRules(rope.NEOX, qk_norm="head", ffn="moe", renormalise=True),
     "olmoe": ArchRules(rope.NEOX, qk_norm="full", ffn="moe"),
+    # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there.
+    "gemma3": ArchRules(rope.NEOX, qk_norm="head", ffn="gelu", embedding_scale=True, post_norms=True,
+                        sliding_every=6, local_rope_base=10000.0),
 }
+GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose query scale is 1/sqrt(d / n_head) (§3)
 
 
 # ---------------------------------------------------------------------------------- §1 config
@@ -74,10 +84,30 @@ class DenseConfig:
     tied: bool         # no output.weight: the embedding is the head (§2)
     n_expert: int = 0       # MoE (§1): expert_count; n_ff is then one expert's width
     n_expert_used: int = 0  # expert_used_count (top-k)
+    rope_scale: float = 1.0     # linear RoPE scaling, 1 / rope.scaling.factor (gemma3: global layers only)
+    sliding_window: int = 0     # attention.sliding_window of the sliding layers (gemma3)
 
     @property
     def rules(self) -> ArchRules:
         return ARCHITECTURES[self.arch]
+
+    @property
+    def attention_scale(self) -> float:
+        """The query scale: 1/sqrt(key_length); the Gemma 3 27B uses 1/sqrt(d / n_head) (§3)."""
+        if self.arch == "gemma3" and self.n_layers == GEMMA3_27B_LAYERS:
+            return 1.0 / np.sqrt(self.d // self.n_head)
+        return 1.0 / np.sqrt(self.head_dim)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether a layer sees only the last `sliding_window` positions (§3 Gemma 3)."""
+        every = self.rules.sliding_every
+        return every > 0 and layer % every != every - 1
+
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """(freq_base, linear scale) of one layer: sliding layers use the local base, unscaled."""
+        if self.is_sliding(layer):
+            return self.rules.local_rope_base, 1.0
+        return self.rope_base, self.rope_scale
 
     @classmethod
     def from_weights(cls, w: GgufWeights) -> "DenseConfig":
@@ -125,7 +155,10 @@ class DenseConfig:
                    eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
                    rope_base=float(key("rope.freq_base", 10000.0)), rope_dims=rope_dims,
                    vocab=vocab, context=int(key("context_length", 2048)),
-                   tied=not w.has("output.weight"), n_expert=experts[0], n_expert_used=experts[1])
+                   tied=not w.has("output.weight"), n_expert=experts[0], n_expert_used=experts[1],
+                   rope_scale=_rope_scale(w, arch),
+                   sliding_window=int(key("attention.sliding_window", 0)) if ARCHITECTURES[arch].sliding_every
+                   else 0)
 
 
 def _moe_experts(w: GgufWeights, arch: str, key, bad) -> tuple[int, int, int]:
@@ -141,6 +174,16 @@ def _moe_experts(w: GgufWeights, arch: str, key, bad) -> tuple[int, int, int]:
     if key(width_key) is not None and int(key(width_key)) != n_ff:
         bad(f"{width_key} {key(width_key)} != expert width {n_ff}")
     return n_expert, used, n_ff
+
+
+def _rope_scale(w: GgufWeights, arch: str) -> float:
+    """1 / factor of linear RoPE scaling, as llama.cpp reads it: rope.scale_linear, else
+    rope.scaling.factor (absent or 0: none). Other scaling types are not part of this graph."""
+    kind = w.value(f"{arch}.rope.scaling.type", "linear")
+    if kind not in ("none", "linear"):
+        raise UnsupportedModelError(f"{w.path.name}: {kind!r} RoPE scaling is not supported")
+    factor = w.value(f"{arch}.rope.scale_linear", w.value(f"{arch}.rope.scaling.factor", 0.0))
+    return 1.0 if not factor else 1.0 / float(factor)
 
 
 # ---------------------------------------------------------------------------------- primitives
@@ -191,18 +234,20 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
 
 
 def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
-                     scale: float) -> np.ndarray:
+                     scale: float, window: int = 0) -> np.ndarray:
     """Causal GQA attention (§3.2). q [T, H, hd] at absolute `positions`; keys [S, KV, hd] and
     values [S, KV, vd] hold positions 0..S−1. Query head h reads kv head h // (H / KV); the
-    query at pos sees keys s <= pos: softmax(scale · <q, k_s>) weights the v_s."""
+    query at pos sees keys s <= pos (with a `window` > 0 only pos − window < s <= pos, §3
+    Gemma 3): softmax(scale · <q, k_s>) weights the v_s."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     group = heads // kv_heads
     out = np.empty((q.shape[0], heads, values.shape[2]), dtype=q.dtype)
     for t, pos in enumerate(positions):
         for g in range(kv_heads):
             hs = slice(g * group, (g + 1) * group)
-            k = np.ascontiguousarray(keys[: pos + 1, g])
-            v = np.ascontiguousarray(values[: pos + 1, g])
+            first = max(0, pos - window + 1) if window > 0 else 0
+            k = np.ascontiguousarray(keys[first: pos + 1, g])
+            v = np.ascontiguousarray(values[first: pos + 1, g])
             scores = np.einsum("hd,sd->hs", q[t, hs], k) * q.dtype.type(scale)
             out[t, hs] = np.einsum("hs,sd->hd", softmax(scores), v)
     return out
@@ -229,6 +274,8 @@ class LayerWeights:
     up: np.ndarray | None
     down: np.ndarray | None
     moe: "MoeWeights | None" = None
+    post_attention_norm: np.ndarray | None = None  # gemma3
+    post_ffw_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -279,7 +326,14 @@ def moe_ffn(z: np.ndarray, p: LayerWeights) -> np.ndarray:
     return out
 
 
-FFNS = {"dense": dense_ffn, "moe": moe_ffn}
+def gelu_ffn(z: np.ndarray, p: LayerWeights) -> np.ndarray:
+    """Wdown (gelu_tanh(Wgate z) ⊙ Wup z) (§3 Gemma 3). The tanh-GELU constants are the f32
+    ones the shader uses (`ops.gelu_tanh`); in a float64 run that is a ~1e-8 relative change of
+    the function, far below what the float64 run is there to settle."""
+    return matmul(gelu_gated(matmul(z, p.gate), matmul(z, p.up)), p.down)
+
+
+FFNS = {"dense": dense_ffn, "gelu": gelu_ffn, "moe": moe_ffn}
 
 
 class DenseKvCache:
@@ -317,9 +371,7 @@ class DenseReference:
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
         exact = self.dtype == np.float64
         self._round = not exact  # f32: RoPE tables rounded once to f32, as the GPU uses them
-        self._freqs = rope.rope_frequencies(self.config.rope_dims, self.config.rope_base,
-                                            round_to_f32=self._round)
-        self._rope: dict[int, tuple[list, list]] = {}
+        self._rope: dict[tuple[float, float, int], tuple[list, list]] = {}  # (base, scale, pos)
         self._layers: dict[int, LayerWeights] = {}
         if self.config.rules.qkv_bias and not self.weights.has("blk.0.attn_q.bias"):
             raise ContainerError(f"{self.weights.path.name}: {self.config.arch} needs attn_q/k/v biases")
@@ -345,7 +397,8 @@ class DenseReference:
                          bv=opt("attn_v.bias"), wo=t("attn_output.weight"), bo=opt("attn_output.bias"),
                          q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
                          ffn_norm=t("ffn_norm.weight"), gate=opt("ffn_gate.weight"), up=opt("ffn_up.weight"),
-                         down=opt("ffn_down.weight"))
+                         down=opt("ffn_down.weight"), post_attention_norm=opt("post_attention_norm.weight"),
+                         post_ffw_norm=opt("post_ffw_norm.weight"))
         if self.config.rules.ffn == "moe":
             p.moe = MoeWeights(gate_inp=t("ffn_gate_inp.weight"), gate=t("ffn_gate_exps.weight"),
                                up=t("ffn_up_exps.weight"), down=t("ffn_down_exps.weight"),
@@ -354,6 +407,8 @@ class DenseReference:
             raise ContainerError(f"{w.path.name}: layer {i} lacks ffn_gate/ffn_up/ffn_down")
         if self.config.rules.qk_norm and (p.q_norm is None or p.k_norm is None):
             raise ContainerError(f"{w.path.name}: layer {i} lacks attn_q_norm/attn_k_norm")
+        if self.config.rules.post_norms and (p.post_attention_norm is None or p.post_ffw_norm is None):
+            raise ContainerError(f"{w.path.name}: layer {i} lacks post_attention_norm/post_ffw_norm")
         if self.dtype == np.float32:
             self._layers[i] = p
         return p
@@ -363,12 +418,21 @@ class DenseReference:
         name = "token_embd.weight" if self.config.tied else "output.weight"
         return self._cast(self.weights.tensor(name)), self._cast(self.weights.optional("output.bias"))
 
-    def _cos_sin(self, positions) -> tuple[np.ndarray, np.ndarray]:
-        for p in positions:
-            if p not in self._rope:
-                self._rope[p] = rope.rope_cos_sin(p, self._freqs, round_to_f32=self._round)
-        cos = np.array([self._rope[p][0] for p in positions], dtype=self.dtype)
-        sin = np.array([self._rope[p][1] for p in positions], dtype=self.dtype)
+    def _frequencies(self, base: float, scale: float) -> list[float]:
+        """The RoPE table of one (base, linear scale): in f32 the GPU's own table
+        (`constants.rope_frequencies` folds the scale in as f32(f_j · scale))."""
+        if self._round:
+            return list(constants.rope_frequencies(self.config.rope_dims, float(base), scale))
+        return [f * scale for f in rope.rope_frequencies(self.config.rope_dims, base, round_to_f32=False)]
+
+    def _cos_sin(self, positions, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        missing = [p for p in positions if (base, scale, p) not in self._rope]
+        if missing:
+            freqs = self._frequencies(base, scale)
+            for p in missing:
+                self._rope[base, scale, p] = rope.rope_cos_sin(p, freqs, round_to_f32=self._round)
+        cos = np.array([self._rope[base, scale, p][0] for p in positions], dtype=self.dtype)
+        sin = np.array([self._rope[base, scale, p][1] for p in positions], dtype=self.dtype)
         return cos, sin
 
     # ------------------------------------------------------------------ the graph
@@ -390,13 +454,18 @@ class DenseReference:
         cache = cache if cache is not None else self.new_cache()
         T = len(ids)
         positions = list(range(cache.length, cache.length + T))
-        cos, sin = self._cos_sin(positions)
-        scale = 1.0 / np.sqrt(cfg.head_dim)
+        tables = {rope_key: self._cos_sin(positions, *rope_key)
+                  for rope_key in {cfg.layer_rope(i) for i in range(cfg.n_layers)}}
+        scale = cfg.attention_scale
         ffn = FFNS[rules.ffn]
 
         x = self._cast(self.weights.rows("token_embd.weight", ids))                  # §3.1
+        if rules.embedding_scale:  # gemma3: sqrt(d) rounded to f32, as llama.cpp and the GPU take it
+            x = x * x.dtype.type(constants.sqrt(cfg.d))
         for i in range(cfg.n_layers):                                                 # §3.2
             p = self.layer(i)
+            cos, sin = tables[cfg.layer_rope(i)]
+            window = cfg.sliding_window if cfg.is_sliding(i) else 0
             h = rms_norm(x, p.attn_norm, cfg.eps)
             q, k, v = matmul(h, p.wq), matmul(h, p.wk), matmul(h, p.wv)
             if p.bq is not None:                                                      # qwen2
@@ -411,11 +480,17 @@ class DenseReference:
             q = apply_rope(q, cos, sin, rules.rope_style)
             k = apply_rope(k, cos, sin, rules.rope_style)
             keys, values = cache.extend(i, k, v)
-            attn = causal_attention(q, keys, values, positions, scale)
+            attn = causal_attention(q, keys, values, positions, scale, window)
             o = matmul(attn.reshape(T, cfg.n_head * cfg.value_dim), p.wo)
-            x1 = x + (o if p.bo is None else o + p.bo)
+            o = o if p.bo is None else o + p.bo
+            if rules.post_norms:                                                      # gemma3
+                o = rms_norm(o, p.post_attention_norm, cfg.eps)
+            x1 = x + o
             z = rms_norm(x1, p.ffn_norm, cfg.eps)
-            x = x1 + ffn(z, p)
+            f = ffn(z, p)
+            if rules.post_norms:
+                f = rms_norm(f, p.post_ffw_norm, cfg.eps)
+            x = x1 + f
         cache.length += T
 
         if logits == "none":

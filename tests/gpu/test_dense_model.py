@@ -41,10 +41,16 @@ def synthetic(tmp_path_factory):
     for arch, qtype in (("llama", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "Q5_0")):
         out[arch] = write_dense_gguf(root / f"{arch}.gguf", SynthDense(arch=arch, qtype=qtype, seed=3),
                                      tokenizer="bytes")
+    # 7 layers (layer 5 global), window 4 (every prompt exceeds it; the 71-token one wraps the
+    # sliding layers' ring across two chunks), head_dim 32 != d / n_head, global RoPE base 1e6
+    # scaled x8 against the local 1e4.
+    out["gemma3"] = write_dense_gguf(root / "gemma3.gguf", SynthDense(
+        arch="gemma3", qtype="Q8_0", seed=3, n_layers=7, head_dim=32, sliding_window=4, rope_base=1e6,
+        rope_scaling=8.0), tokenizer="bytes")
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_synthetic_every_position_matches_the_reference(arch, synthetic, device):
     path = synthetic[arch]
     model = needle_wgpu.load(str(path), device=device)
@@ -54,7 +60,7 @@ def test_synthetic_every_position_matches_the_reference(arch, synthetic, device)
     assert_parity(model, DenseReference(path), prompts)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_decode_after_prefill_equals_prefill(arch, synthetic, device):
     """Greedy ids from prefill + decode steps equal the reference's argmax chain, and each decode
     step's logits row equals the all-positions prefill of the same ids."""
