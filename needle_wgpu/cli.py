@@ -15,21 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .default_model import cache_dir
 from .errors import NeedleError
 
 DEFAULT_QUERY = "What's the weather in Paris?"
 DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a city",'
                  '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}]')
-
-
-def cache_dir() -> Path:
-    named = os.environ.get("NEEDLE_WGPU_CACHE")
-    if named:
-        return Path(named)
-    try:
-        return Path.home() / ".cache" / "needle-wgpu"
-    except (RuntimeError, KeyError):  # no home directory to be found
-        return Path(tempfile.gettempdir()) / "needle-wgpu-cache"
 
 
 def default_model(say=print) -> Path:

