@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
         if not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
-    completion = model.chat.parse(result.text) if "query" in request else None
+    completion = model.chat_format.parse(result.text) if "query" in request else None
     if args.json:
         print(json.dumps(_result_json(result, completion), ensure_ascii=not _writes_utf8(sys.stdout)))
         return 0

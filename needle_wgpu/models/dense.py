@@ -125,8 +125,10 @@ class DenseGpu:
         self.geometry = g = parsed.geometry
         f = self.file
         report = progress or (lambda stage, done, total: None)
-        self.tokenizer = tokenizer_from_gguf(f.metadata())
-        self.chat = DenseChat(self.tokenizer)
+        metadata = f.metadata()
+        self.tokenizer = tokenizer_from_gguf(metadata)
+        template = metadata.get("tokenizer.chat_template")
+        self.chat = DenseChat(self.tokenizer, template if isinstance(template, str) else None)
         self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
         for shape in self.shapes:
             shape.check()
@@ -156,7 +158,8 @@ class DenseGpu:
         return self.vectors.at[name]
 
     def describe(self) -> dict:
-        return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes}
+        return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes,
+                                        "chat_template": self.chat.template.describe()}
 
     def session(self, context=None, kv="f32") -> "DenseSession":
         return DenseSession(self, context=context, kv=kv)
@@ -169,6 +172,7 @@ class DenseSession(ChunkedSession):
         g = model.geometry
         self.model = model
         self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
+        self.rewindable = all(shape.window is None for shape in model.shapes)  # a ring forgets keys
         mode = str(kv).lower()
         if mode not in KV_MODES:
             raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")
