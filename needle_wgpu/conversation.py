@@ -106,16 +106,36 @@ class Conversation:
                seed=0, stop=()):
         """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
         tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``."""
+        model, tokenizer = self.model, self.model._need_tokenizer()
+        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows)
+        stop_texts = stop_strings(stop)
+        history = list(self.messages)
         if content is not None:
             self.add([{"role": role, "content": content}])
         if not self.messages or self.messages[-1]["role"] == "assistant":
             raise InputError("a turn needs a user or tool message after the last reply")
-        model, tokenizer = self.model, self.model._need_tokenizer()
-        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows)
-        stops, stop_texts = model.chat_format.stop_ids(tokenizer), stop_strings(stop)
-        session = self._session()
-        stats = TurnStats(context=session.context)
+        stats = TurnStats()
         self.turns.append(stats)
+        reply = {"role": "assistant", "content": ""}
+        try:
+            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply)
+        except GeneratorExit:  # the caller stopped reading: the reply so far is the reply
+            stats.notices.append("the stream was closed before the reply ended")
+            self.messages.append(reply)
+            raise
+        except BaseException:  # a device error, ContextFullError: as if the message was never sent
+            if self.turns and self.turns[-1] is stats:
+                self.turns.pop()
+            self.messages = history
+            if self.session is not None and self.session.position != len(self.cached):
+                self.close()  # what the cache holds is unknown: the next turn starts afresh
+            raise
+        self.messages.append(reply)
+
+    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply):
+        stops = self.model.chat_format.stop_ids(tokenizer)
+        session = self._session()
+        stats.context = session.context
         wanted = clamp_budget(max_tokens, session.context)
         ids = self._fit(tokenizer, min(wanted, max(MIN_REPLY_ROOM, session.context // 2)), stats)
         stats.prompt_tokens = len(ids)
@@ -129,19 +149,21 @@ class Conversation:
         budget = clamp_budget(max_tokens, session.context - len(ids))
         decoder = tokenizer.stream_decoder(at_text_start=False)
         holder = ToolCallHolder() if self.tools else None
-        text, produced, finish = "", 0, "length"
+        produced, finish = 0, "length"
         while budget > 0:
             if next_id in stops:
                 finish = "stop"
                 break
             piece = decoder.push(next_id)
-            text += piece
+            reply["content"] += piece
             produced += 1
+            stats.completion_tokens = produced
             shown = holder.push(piece) if holder else piece
             if shown:
                 yield shown
+            text = reply["content"]
             if any(s in text for s in stop_texts):
-                text, finish = text[: min(text.find(s) for s in stop_texts if s in text)], "stop"
+                reply["content"], finish = text[: min(text.find(s) for s in stop_texts if s in text)], "stop"
                 break
             if produced >= budget or session.position >= session.context:
                 break
@@ -149,7 +171,7 @@ class Conversation:
             next_id = session.step(sampling)
         if finish != "stop":
             tail = decoder.finish()
-            text += tail
+            reply["content"] += tail
             shown = holder.push(tail) + holder.finish() if holder else tail
             if shown:
                 yield shown
@@ -158,18 +180,15 @@ class Conversation:
             if rest:
                 yield rest
         elapsed = time.perf_counter() - first
-        stats.completion_tokens = produced
         stats.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
         stats.context_used = session.position
-        reply = {"role": "assistant", "content": text}
         if self.tools:
-            parsed = parse_reply(text)
+            parsed = parse_reply(reply["content"])
             if parsed.tool_calls:
-                reply = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                reply["content"], reply["tool_calls"] = parsed.content, parsed.tool_calls
                 finish = "tool_calls"
             stats.notices += parsed.problems
         stats.finish_reason = finish
-        self.messages.append(reply)
 
     def _render(self, tokenizer) -> list:
         return self.model.chat_format.render_ids(tokenizer, self.messages, self.tools)
@@ -183,9 +202,7 @@ class Conversation:
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
             # a turn starts at a user message: drop through the next one's start
             starts = [i for i in range(first + 1, len(self.messages)) if self.messages[i]["role"] == "user"]
-            if not starts:
-                self.messages.pop()  # the conversation stays usable for a shorter message
-                self.turns.pop()
+            if not starts:  # stream() takes the message back: the conversation stays usable
                 raise ContextFullError(f"the message needs {len(ids)} positions and the reply {room}: "
                                        f"more than the context of {context}")
             dropped = starts[0] - first

@@ -11,7 +11,7 @@ import pytest
 from needle_wgpu.api import Model
 from needle_wgpu.chat.dense import DenseChat
 from needle_wgpu.default_model import smollm2_path
-from needle_wgpu.errors import ContextFullError, InputError, NeedleError, UnsupportedModelError
+from needle_wgpu.errors import ContextFullError, DeviceLostError, InputError, NeedleError, UnsupportedModelError
 from needle_wgpu.formats.dense_geometry import DenseGeometry
 
 
@@ -44,7 +44,11 @@ class ScriptedSession:
     def prefill(self, ids, sampling=None):
         assert not self.closed and self.position + len(ids) <= self.context
         self.gpu.prefills.append(len(ids))
-        self.position += len(ids)
+        self.position += len(ids) // 2
+        if self.gpu.fail_next:
+            self.gpu.fail_next = False
+            raise DeviceLostError("lost")
+        self.position += len(ids) - len(ids) // 2
         reply = self.gpu.replies.pop(0) if self.gpu.replies else "ok"
         self.pending = self.gpu.tokenizer.encode(reply) + [self.gpu.tokenizer.eos_id]
         return self.pending.pop(0)
@@ -69,6 +73,7 @@ class ScriptedGpu:
         self.chat = DenseChat(self.tokenizer, template)
         self.geometry = Geometry()
         self.replies, self.prefills, self.rewinds, self.sessions = list(replies), [], [], []
+        self.fail_next = False
 
     def session(self, context=None, kv="f32"):
         self.sessions.append(ScriptedSession(self, context))
@@ -123,6 +128,34 @@ def test_a_message_too_long_for_the_context_is_refused_and_the_conversation_goes
         conversation.send("word " * 200, max_tokens=8)
     assert conversation.messages == [] and conversation.turns == []
     assert conversation.send("Hi", max_tokens=8)["content"] == "fine"
+
+
+def test_a_failed_turn_is_taken_back_and_the_next_one_starts_afresh():
+    gpu = ScriptedGpu(["first", "second"])
+    conversation = Model(gpu).conversation()
+    conversation.send("One")
+    kept = list(conversation.messages)
+    gpu.fail_next = True
+    with pytest.raises(DeviceLostError):
+        conversation.send("Two")
+    assert conversation.messages == kept and len(conversation.turns) == 1 and gpu.sessions[0].closed
+    with pytest.raises(InputError):
+        conversation.send("Two", stop=5)  # a bad option: the message is not added either
+    assert conversation.messages == kept
+    assert conversation.send("Two")["content"] == "second"
+    assert len(gpu.sessions) == 2 and conversation.turns[-1].reused == 0
+
+
+def test_a_stream_closed_early_keeps_the_reply_so_far():
+    gpu = ScriptedGpu(["one two three four five", "next"])
+    conversation = Model(gpu).conversation()
+    stream = conversation.stream("Count", max_tokens=32)
+    assert next(stream) == "one"
+    stream.close()
+    assert conversation.messages[-1] == {"role": "assistant", "content": "one"}
+    assert "closed" in conversation.turns[-1].notices[0]
+    assert conversation.send("More")["content"] == "next"
+    assert not conversation.turns[-1].rewound  # the cache held exactly the reply so far
 
 
 def test_tool_calls_come_back_openai_style():
