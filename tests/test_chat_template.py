@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from needle_wgpu.chat import template as template_module
 from needle_wgpu.chat.dense import DenseChat
 from needle_wgpu.chat.template import ChatTemplate, check_messages, render_chatml
 from needle_wgpu.chat.tool_calls import ToolCallHolder, parse_reply

@@ -12,7 +12,6 @@ from needle_wgpu.api import Model
 from needle_wgpu.chat.dense import DenseChat
 from needle_wgpu.default_model import smollm2_path
 from needle_wgpu.errors import ContextFullError, DeviceLostError, InputError, NeedleError, UnsupportedModelError
-from needle_wgpu.formats.dense_geometry import DenseGeometry
 
 
 @functools.lru_cache(maxsize=1)
