@@ -6,10 +6,18 @@ from .errors import (ContainerError, DeviceError, DeviceLimitError, DeviceLostEr
 __version__ = "0.1.0"
 
 
-def load(source, device=None, progress=None):
+def load(source=None, device=None, progress=None):
     """Open a model file (a path or its bytes: .cact or GGUF, told by its magic) on a GPU device
-    and return an ``api.Model``. ``progress(stage, done, total)`` is called while loading."""
+    and return an ``api.Model``. ``progress(stage, done, total)`` is called while loading.
+    No source: the default model (``cli.default_model``: the installed SmolLM2-135M-Instruct)."""
+    import sys
+
     from .api import Model
+
+    if source is None:
+        from .cli import default_model
+
+        source = default_model(lambda message: print(f"needle-wgpu: {message}", file=sys.stderr))
 
     return Model.load(source, device=device, progress=progress)
 

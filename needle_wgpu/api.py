@@ -3,7 +3,7 @@ whole), logits, tool calls, confidence.
 
 A ``Model`` drives a family's GPU model through a small protocol (``families.py`` says which
 family a file is): ``geometry`` (vocab, head_rows, max_seq_len), ``tokenizer``, ``chat`` (how a
-request becomes ids, which ids stop, how a completion is parsed), ``session(context, kv)``
+request becomes ids, which ids stop, how a completion is parsed; ``Model.chat_format``), ``session(context, kv)``
 (a ``models.session.ChunkedSession``) and ``describe()``.
 
 The no-panic contract (docs/api.md) is enforced here: every number is saturated
@@ -69,7 +69,7 @@ class Model:
         self.gpu = gpu_model
         self.geometry = gpu_model.geometry
         self.tokenizer = gpu_model.tokenizer
-        self.chat = gpu_model.chat
+        self.chat_format = gpu_model.chat  # the family's prompt/stop/parse rules
 
     @classmethod
     def load(cls, source, device=None, progress=None) -> "Model":
@@ -97,11 +97,11 @@ class Model:
             return id_list(ids)
         if query is not None or tools is not None:
             query, system = as_text(query, "query"), optional_text(system, "system")
-            return self.chat.request_ids(self._need_tokenizer(), query=query, tools=tools, system=system)
+            return self.chat_format.request_ids(self._need_tokenizer(), query=query, tools=tools, system=system)
         prompt = as_text(prompt, "prompt")
         if not prompt:
             return []
-        return self.chat.request_ids(self._need_tokenizer(), prompt=prompt)
+        return self.chat_format.request_ids(self._need_tokenizer(), prompt=prompt)
 
     def encode(self, text) -> list:
         """The tokenizer's ids of ``text`` (no BOS, no template)."""
@@ -130,7 +130,7 @@ class Model:
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
-        stops = self.chat.stop_ids(self.tokenizer)
+        stops = self.chat_format.stop_ids(self.tokenizer)
         stop_texts = stop_strings(stop)
         out = GenerationResult("", [], "empty", len(request), clamped)
         if result is not None:  # the caller's result starts afresh, whatever it held
@@ -199,8 +199,25 @@ class Model:
         for _ in self.stream(prompt, result=result, **options):
             pass
         if options.get("query") is not None or options.get("tools") is not None:
-            result.completion = self.chat.parse(result.text)
+            result.completion = self.chat_format.parse(result.text)
         return result
+
+    # ------------------------------------------------------------------ conversations
+    def conversation(self, system=None, *, tools=None, context=None, kv="f32"):
+        """A ``conversation.Conversation``: messages rendered with the model's chat template
+        over one session whose KV cache is kept across turns."""
+        from .conversation import Conversation
+
+        return Conversation(self, system=system, tools=tools, context=context, kv=kv)
+
+    def chat(self, messages, tools=None, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+             stop=(), kv="f32", context=None) -> dict:
+        """An OpenAI-style chat completion of ``messages`` (``choices[0].message`` with
+        ``content`` and ``tool_calls``, ``finish_reason`` stop/length/tool_calls, ``usage``)."""
+        from .conversation import chat_completion
+
+        return chat_completion(self, messages, tools, max_tokens=max_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, stop=stop, kv=kv, context=context)
 
     # ------------------------------------------------------------------ analysis
     def confidence(self, ids=None, *, prompt=None, completion=None) -> float:

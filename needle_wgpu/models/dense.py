@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..chat.dense import DenseChat
+from ..chat.template import ChatTemplate
 from ..constants import f32, sqrt
 from ..errors import UnsupportedModelError
 from ..formats.dense_geometry import DenseGeometry
@@ -88,7 +89,8 @@ def describe(parsed: DenseFile, context: int | None = None) -> dict:
             "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__}, "experts": experts,
             "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
             "context": context, "kv_bytes": {mode: kv_bytes(g, context, mode) for mode in KV_MODES},
-            "tokenizer": f.get_str("tokenizer.ggml.model", None)}
+            "tokenizer": f.get_str("tokenizer.ggml.model", None),
+            "chat_template": ChatTemplate(f.get_str("tokenizer.chat_template", None)).describe()}
 
 
 def default_context(g: DenseGeometry) -> int:
@@ -137,8 +139,10 @@ class DenseGpu:
         self.geometry = g = parsed.geometry
         f = self.file
         report = progress or (lambda stage, done, total: None)
-        self.tokenizer = tokenizer_from_gguf(f.metadata())
-        self.chat = DenseChat(self.tokenizer)
+        metadata = f.metadata()
+        self.tokenizer = tokenizer_from_gguf(metadata)
+        template = metadata.get("tokenizer.chat_template")
+        self.chat = DenseChat(self.tokenizer, template if isinstance(template, str) else None)
         self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
         for shape in self.shapes:
             shape.check()
@@ -209,6 +213,7 @@ class DenseSession(ChunkedSession):
         g = model.geometry
         self.model = model
         self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
+        self.rewindable = all(shape.window is None for shape in model.shapes)  # a ring forgets keys
         mode = str(kv).lower()
         if mode not in KV_MODES:
             raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")

@@ -60,6 +60,7 @@ class ChunkedSession:
     context: int
     chunk: int
     logit_rows: int
+    rewindable: bool = False  # a family sets it where every layer's cache keeps each position
 
     def _open(self, device: Device, context, limit: int) -> None:
         self.device = device
@@ -120,6 +121,15 @@ class ChunkedSession:
         dev.run(self._plan(PlanKey(1, sampling)))
         self.position += 1
         return self._read_sampled()
+
+    def rewind(self, position: int) -> None:
+        """Forget every position from ``position`` on: the next prefill continues there (a
+        conversation whose re-rendered history differs from what the cache holds). Attention
+        reads only keys before the query's own position, so the stale ones are never seen."""
+        self._check()
+        if not self.rewindable:
+            raise NeedleError("this session cannot rewind (its cache keeps a sliding window)")
+        self.position = clamp_count(position, 0, self.position, self.position)
 
     def _read_sampled(self) -> int:
         return struct.unpack_from("<I", self.device.read(self.result, 4))[0]

@@ -1,0 +1,226 @@
+"""Chat templates: a model's own ``tokenizer.chat_template`` rendered as Hugging Face renders it,
+or the built-in ChatML when the file has none (spec dense-gguf §5.5).
+
+The Jinja environment follows transformers' ``chat_template_utils``: sandboxed and immutable,
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}``
+block that renders its body, the globals ``raise_exception`` and ``strftime_now``, and a
+``tojson`` that keeps key order and writes non-ASCII as it is (jinja2's own sorts keys and
+escapes ``<``, which changes a tool prompt). The template gets ``messages``, ``tools``,
+``add_generation_prompt``, ``bos_token`` and ``eos_token``.
+
+jinja2 and MarkupSafe are pure-Python wheels (runtime dependencies on the desktop, bundled for
+the browser). Where jinja2 cannot be imported, or the template fails to compile or to render,
+the built-in ChatML renders instead and ``ChatTemplate.note`` says why.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from ..errors import InputError
+from ..inputs import as_text
+
+ROLES = ("system", "user", "assistant", "tool")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+# ------------------------------------------------------------------------------ messages
+
+
+def check_messages(messages) -> list:
+    """OpenAI-style messages as plain dicts: ``role`` one of ROLES, ``content`` text (None or
+    absent -> ""), an assistant's ``tool_calls`` a list, a tool's ``name``/``tool_call_id`` text.
+    Anything else is an ``InputError`` naming the message."""
+    if isinstance(messages, (str, bytes, dict)) or not hasattr(messages, "__iter__"):
+        raise InputError("messages must be a list of {'role': ..., 'content': ...} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InputError(f"messages[{i}] must be an object with 'role' and 'content', "
+                             f"got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InputError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        clean = {"role": role, "content": as_text(message.get("content"), f"messages[{i}].content")}
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, (list, tuple)):
+                raise InputError(f"messages[{i}].tool_calls: a list, on assistant messages only")
+            clean["tool_calls"] = [_template_call(i, call) for call in calls]
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                clean[key] = as_text(message[key], f"messages[{i}].{key}")
+        out.append(clean)
+    return out
+
+
+def _template_call(i: int, call) -> dict:
+    """An OpenAI tool call as templates read it: ``function.arguments`` as an object (Qwen's
+    template writes it with ``tojson``), the string form parsed when it is JSON."""
+    if not isinstance(call, dict):
+        raise InputError(f"messages[{i}].tool_calls: each call must be an object")
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InputError(f"messages[{i}].tool_calls: each call needs function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # a template shows a string as it is
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
+
+
+def check_tools(tools) -> list | None:
+    """Tools as a list of objects (a JSON string is parsed; one object becomes a list)."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, bytearray)):
+        try:
+            tools = json.loads(tools)
+        except (ValueError, RecursionError) as exc:
+            raise InputError(f"tools: invalid JSON ({exc})") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise InputError("tools must be a list of tool objects")
+    return list(tools)
+
+
+# ------------------------------------------------------------------------------ ChatML
+
+
+def render_chatml(messages: list, tools: list | None = None, add_generation_prompt: bool = True) -> str:
+    """The built-in template: ChatML turns, tools Qwen-style in the system turn, assistant tool
+    calls as ``<tool_call>`` blocks, tool results as ``<tool_response>`` in a user turn."""
+    parts = []
+    messages = list(messages)
+    if tools:
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+        if messages and messages[0]["role"] == "system":
+            messages = messages[1:]
+        parts.append(f"{IM_START}system\n{tools_system_text(tools, system)}{IM_END}\n")
+    for i, message in enumerate(messages):
+        role, content = message["role"], message["content"]
+        if role == "tool":
+            opens = i == 0 or messages[i - 1]["role"] != "tool"
+            closes = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+            parts.append((f"{IM_START}user" if opens else "") + f"\n<tool_response>\n{content}\n</tool_response>"
+                         + (f"{IM_END}\n" if closes else ""))
+            continue
+        calls = "".join("\n<tool_call>\n" + json.dumps(
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+            + "\n</tool_call>" for c in message.get("tool_calls", ()))
+        if calls and not content:
+            calls = calls[1:]
+        parts.append(f"{IM_START}{role}\n{content}{calls}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
+def tools_system_text(tools: list, system: str = "") -> str:
+    """The Qwen-style tool instructions: one JSON line per tool inside ``<tools></tools>``."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    head = (system + "\n\n") if system else ""
+    return (f"{head}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+# ------------------------------------------------------------------------------ Jinja
+
+
+def _jinja_environment():
+    """HF's chat-template environment, or None where jinja2 is not installed."""
+    try:
+        import jinja2
+        from jinja2 import nodes
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (assistant masks in training): the body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """A file's chat template, compiled once. ``source`` None (no template) -> built-in ChatML.
+
+    ``kind`` is ``"jinja"`` or ``"chatml"``; ``note`` says why ChatML serves where a template
+    was given (jinja2 missing, or the template does not compile); ``last_note`` says when the
+    latest render fell back (the template raised for those messages)."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+        self.source, self.bos_token, self.eos_token = source, bos_token or "", eos_token or ""
+        self.kind, self.note, self.last_note = "chatml", None, None
+        self._template = None
+        if not source:
+            self.note = "the model file has no chat template: built-in ChatML"
+            return
+        env = _jinja_environment()
+        if env is None:
+            self.note = "jinja2 is not installed: the file's chat template is replaced by built-in ChatML"
+            return
+        try:
+            self._template = env.from_string(source)
+            self.kind = "jinja"
+        except Exception as exc:  # a template the environment cannot compile
+            self.note = f"the file's chat template does not compile ({type(exc).__name__}: {exc}): built-in ChatML"
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the template itself reads ``tools`` (else tools go into the system turn)."""
+        return self.kind == "jinja" and "tools" in self.source
+
+    def render(self, messages, tools=None, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (checked: ``InputError`` for bad ones)."""
+        messages, tools = check_messages(messages), check_tools(tools)
+        self.last_note = None
+        if self._template is not None:
+            if tools and not self.uses_tools:  # the template would drop them: state them Qwen-style
+                messages = _with_tools_in_system(messages, tools)
+            try:
+                return self._template.render(messages=messages, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token, eos_token=self.eos_token)
+            except Exception as exc:  # raise_exception or a template bug: never the caller's crash
+                self.last_note = f"the chat template failed ({type(exc).__name__}: {exc}): built-in ChatML"
+        return render_chatml(messages, tools, add_generation_prompt)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "chars": len(self.source or ""), "note": self.note}
+
+
+def _with_tools_in_system(messages: list, tools: list) -> list:
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=tools_system_text(tools, messages[0]["content"]))
+        return [first] + messages[1:]
+    return [{"role": "system", "content": tools_system_text(tools)}] + messages

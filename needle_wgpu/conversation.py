@@ -1,0 +1,258 @@
+"""A conversation that keeps its KV cache across turns (``Model.conversation()``).
+
+Each turn renders the whole history with the model's chat template (``chat/template.py``),
+tokenises it, and compares it with the ids the session already holds: only the tail after the
+longest common prefix is prefilled. Templates are not always prefix-stable (a reply re-tokenised
+from its text, a template that rewrites earlier turns): the session then rewinds to the first
+differing position (or, where its cache cannot rewind, a new session starts) and the turn's
+``TurnStats`` says so. When the history would not leave room for the reply, the oldest turns
+are dropped (the system message stays) with a notice in the stats, never an error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .errors import ContextFullError, InputError, UnsupportedModelError
+from .chat.template import check_messages, check_tools
+from .chat.tool_calls import ToolCallHolder, parse_reply
+from .inputs import as_text, checked_methods, optional_text, stop_strings
+from .sampling import Sampling, clamp_budget
+
+MIN_REPLY_ROOM = 16  # positions a turn keeps free for the reply when max_tokens asks for more than fits
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost. ``prefilled`` + ``reused`` = the rendered prompt's ids."""
+
+    prompt_tokens: int = 0
+    prefilled: int = 0  # ids run through the model this turn
+    reused: int = 0  # ids already in the KV cache from earlier turns
+    rewound: bool = False  # the cache held ids the new rendering does not start with
+    new_session: bool = False
+    completion_tokens: int = 0
+    finish_reason: str = "empty"  # "stop" (EOS or a stop string), "length", "tool_calls"
+    prefill_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    context_used: int = 0  # positions the cache holds after the turn
+    context: int = 0
+    dropped_messages: int = 0
+    notices: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+@checked_methods
+class Conversation:
+    """Messages, tools and one session. ``send(text)`` runs a user turn and returns the
+    assistant message; ``stream(text)`` yields its text pieces (tool-call blocks held back)."""
+
+    def __init__(self, model, *, system=None, tools=None, context=None, kv="f32"):
+        if not hasattr(model.chat_format, "render_ids"):
+            raise UnsupportedModelError("this model family has no chat template: use generate()")
+        self.model = model
+        self.tools = check_tools(tools)
+        self.kv, self.requested_context = kv, context
+        self.messages: list = []
+        self.session = None
+        self.cached: list = []  # the ids whose keys and values the session holds, in order
+        self.turns: list = []
+        self.system = optional_text(system, "system")
+        self.reset(self.system)
+
+    # ------------------------------------------------------------------ state
+    def reset(self, system=None) -> None:
+        """Start over (the KV cache is kept for reuse: the system turn's prefix still matches)."""
+        self.system = optional_text(system, "system")
+        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+
+    def set_system(self, text) -> None:
+        """Replace the system message (the next turn re-prefills from where it changes)."""
+        self.system = as_text(text, "system")
+        rest = [m for m in self.messages if m["role"] != "system"]
+        self.messages = [{"role": "system", "content": self.system}] + rest
+
+    def add(self, messages) -> None:
+        """Append OpenAI-style messages (tool results, earlier turns) without running a turn."""
+        self.messages += check_messages(messages)
+
+    @property
+    def context(self) -> int:
+        return self._session().context
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self.cached = []
+
+    def _session(self):
+        if self.session is None:
+            self.session = self.model.gpu.session(context=self.requested_context, kv=self.kv)
+            self.cached = []
+        return self.session
+
+    # ------------------------------------------------------------------ a turn
+    def send(self, content=None, *, role="user", **options) -> dict:
+        """One turn; returns the assistant message (``content``, ``tool_calls`` when any)."""
+        for _ in self.stream(content, role=role, **options):
+            pass
+        return self.messages[-1]
+
+    def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
+               seed=0, stop=()):
+        """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
+        tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``."""
+        model, tokenizer = self.model, self.model._need_tokenizer()
+        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows)
+        stop_texts = stop_strings(stop)
+        history = list(self.messages)
+        if content is not None:
+            self.add([{"role": role, "content": content}])
+        if not self.messages or self.messages[-1]["role"] == "assistant":
+            raise InputError("a turn needs a user or tool message after the last reply")
+        stats = TurnStats()
+        self.turns.append(stats)
+        reply = {"role": "assistant", "content": ""}
+        try:
+            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply)
+        except GeneratorExit:  # the caller stopped reading: the reply so far is the reply
+            stats.notices.append("the stream was closed before the reply ended")
+            self.messages.append(reply)
+            raise
+        except BaseException:  # a device error, ContextFullError: as if the message was never sent
+            if self.turns and self.turns[-1] is stats:
+                self.turns.pop()
+            self.messages = history
+            if self.session is not None and self.session.position != len(self.cached):
+                self.close()  # what the cache holds is unknown: the next turn starts afresh
+            raise
+        self.messages.append(reply)
+
+    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply):
+        stops = self.model.chat_format.stop_ids(tokenizer)
+        session = self._session()
+        stats.context = session.context
+        wanted = clamp_budget(max_tokens, session.context)
+        ids = self._fit(tokenizer, min(wanted, max(MIN_REPLY_ROOM, session.context // 2)), stats)
+        stats.prompt_tokens = len(ids)
+        session = self._prefix(ids, stats)
+
+        started = time.perf_counter()
+        next_id = session.prefill(ids[stats.reused:], sampling)
+        first = time.perf_counter()
+        stats.prefill_s = first - started
+        self.cached = list(ids)
+        budget = clamp_budget(max_tokens, session.context - len(ids))
+        decoder = tokenizer.stream_decoder(at_text_start=False)
+        holder = ToolCallHolder() if self.tools else None
+        produced, finish = 0, "length"
+        while budget > 0:
+            if next_id in stops:
+                finish = "stop"
+                break
+            piece = decoder.push(next_id)
+            reply["content"] += piece
+            produced += 1
+            stats.completion_tokens = produced
+            shown = holder.push(piece) if holder else piece
+            if shown:
+                yield shown
+            text = reply["content"]
+            if any(s in text for s in stop_texts):
+                reply["content"], finish = text[: min(text.find(s) for s in stop_texts if s in text)], "stop"
+                break
+            if produced >= budget or session.position >= session.context:
+                break
+            self.cached.append(next_id)  # step() feeds it: its keys join the cache
+            next_id = session.step(sampling)
+        if finish != "stop":
+            tail = decoder.finish()
+            reply["content"] += tail
+            shown = holder.push(tail) + holder.finish() if holder else tail
+            if shown:
+                yield shown
+        elif holder:
+            rest = holder.finish()
+            if rest:
+                yield rest
+        elapsed = time.perf_counter() - first
+        stats.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
+        stats.context_used = session.position
+        if self.tools:
+            parsed = parse_reply(reply["content"])
+            if parsed.tool_calls:
+                reply["content"], reply["tool_calls"] = parsed.content, parsed.tool_calls
+                finish = "tool_calls"
+            stats.notices += parsed.problems
+        stats.finish_reason = finish
+
+    def _render(self, tokenizer) -> list:
+        return self.model.chat_format.render_ids(tokenizer, self.messages, self.tools)
+
+    def _fit(self, tokenizer, room: int, stats: TurnStats) -> list:
+        """The rendered history's ids, dropping the oldest turns while the reply would lack
+        ``room`` positions. The latest message alone too long is a ``ContextFullError``."""
+        context = self.session.context
+        ids = self._render(tokenizer)
+        while len(ids) + room > context:
+            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            # a turn starts at a user message: drop through the next one's start
+            starts = [i for i in range(first + 1, len(self.messages)) if self.messages[i]["role"] == "user"]
+            if not starts:  # stream() takes the message back: the conversation stays usable
+                raise ContextFullError(f"the message needs {len(ids)} positions and the reply {room}: "
+                                       f"more than the context of {context}")
+            dropped = starts[0] - first
+            del self.messages[first:starts[0]]
+            stats.dropped_messages += dropped
+            ids = self._render(tokenizer)
+        if stats.dropped_messages:
+            stats.notices.append(f"context full: dropped the {stats.dropped_messages} oldest messages")
+        return ids
+
+    def _prefix(self, ids: list, stats: TurnStats):
+        """Keep the longest cached prefix of ``ids`` (at least one id is left to prefill, so
+        the turn samples from fresh logits); rewind or reopen the session past it."""
+        session = self.session
+        same = 0
+        for held, new in zip(self.cached, ids):
+            if held != new:
+                break
+            same += 1
+        same = min(same, len(ids) - 1)
+        if same < session.position:
+            stats.rewound = True
+            if session.rewindable:
+                session.rewind(same)
+            else:
+                self.close()
+                session = self._session()
+                same = 0
+                stats.new_session = True
+            stats.notices.append(f"the history changed at position {same}: re-prefilled from there")
+        stats.reused, stats.prefilled = same, len(ids) - same
+        return session
+
+
+def chat_completion(model, messages, tools=None, **options) -> dict:
+    """``Model.chat``: an OpenAI-style chat completion of ``messages`` in a fresh conversation."""
+    context, kv = options.pop("context", None), options.pop("kv", "f32")
+    conversation = Conversation(model, tools=tools, context=context, kv=kv)
+    try:
+        conversation.add(messages)
+        reply = conversation.send(None, **options)
+        stats = conversation.turns[-1]
+    finally:
+        conversation.close()
+    message = {"role": "assistant", "content": reply["content"] or None if reply.get("tool_calls")
+               else reply["content"]}
+    if reply.get("tool_calls"):
+        message["tool_calls"] = reply["tool_calls"]
+    return {"object": "chat.completion", "choices": [{"index": 0, "message": message,
+                                                      "finish_reason": stats.finish_reason}],
+            "usage": {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+                      "total_tokens": stats.prompt_tokens + stats.completion_tokens},
+            "stats": stats.as_dict()}
