@@ -88,7 +88,8 @@ def _open_device():
 
 def _device_summary(device) -> dict:
     lim = device.limits
-    return {"adapter": device.adapter_name, "maxStorageBinding": lim.max_storage_binding,
+    return {"adapter": device.adapter_name, "softwareRasterizer": device.software_rasterizer,
+            "maxStorageBinding": lim.max_storage_binding,
             "maxBuffer": lim.max_buffer, "workgroupStorage": lim.max_workgroup_storage,
             "storageBuffers": lim.max_storage_buffers}
 
@@ -396,7 +397,9 @@ def lose_device() -> dict:
 def info() -> dict:
     device = State.device
     return {"device": _device_summary(device) if device is not None else None, "model": State.summary,
-            "counters": vars(device.counters) if device is not None else None}
+            "counters": vars(device.counters) if device is not None else None,
+            # Which kernel shapes were compiled: q_matmul_rows / cq_matmul_rows on a CPU adapter (§8).
+            "kernels": sorted({key.family for key in device._pipelines}) if device is not None else []}
 
 
 @entry

@@ -180,7 +180,8 @@ const handlers = {
     return result;
   },
   async cq_matmul(msg) {
-    const model = await modelBytes({ source: "default" });
+    const synthetic = manifest.models.find((m) => m.synthetic);  // the bundled .cact
+    const model = await modelBytes({ source: "default", file: synthetic.file });
     return callPython("cq_matmul", model.bytes, msg.tensor, Float32Array.from(msg.x), msg.positions);
   },
   async bench(msg) {
