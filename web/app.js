@@ -316,8 +316,10 @@ function chooseModes(m) {
   const dense = m.family === "dense";
   $("tab-chat").hidden = !dense;
   $("tab-tools").hidden = dense;
-  if ((dense && mode === "tools") || (!dense && mode === "chat")) selectMode(dense ? "chat" : "tools");
-  if (needle.chatModel !== m.name) resetChat();
+  // A new model opens on its own form (chat or tool call); a reload of the same one keeps the form.
+  const fresh = needle.chatModel !== m.name;
+  if (fresh || (dense && mode === "tools") || (!dense && mode === "chat")) selectMode(dense ? "chat" : "tools");
+  if (fresh) resetChat();
   needle.chatModel = m.name;
 }
 

@@ -93,6 +93,7 @@ def test_multi_turn_chat_streams_and_matches_wgpu_py(smollm2_page, desktop):
     """Two turns through the chat form: the second request carries the first turn, and each
     reply's greedy ids are wgpu-py's for the same conversation."""
     page = smollm2_page
+    page.click("#tab-chat")
     page.click("#chat-reset")
     history = []
     for turn, text in enumerate(("Hi!", "Thanks.")):
