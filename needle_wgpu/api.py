@@ -142,7 +142,9 @@ class Model:
                 out.finish_reason = "length"
                 return
             started = time.perf_counter()
-            next_id = session.prefill(request, sampling, should_stop=should_stop)
+            # should_stop only when given: a family's session need not take it otherwise
+            stop_hook = {} if should_stop is None else {"should_stop": should_stop}
+            next_id = session.prefill(request, sampling, **stop_hook)
             if next_id is None:  # should_stop said so between chunks
                 out.finish_reason = "stopped"
                 return
