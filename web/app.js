@@ -142,6 +142,7 @@ function showProgress(msg) {
   const entry = { stage: msg.stage, text: msg.text, done: msg.done, total: msg.total, phase, shown: "" };
   needle.progressLog.push(entry);
   if (needle.onProgress) needle.onProgress(msg);
+  if (phase === "idle") return;  // a test hook's request (logits, bench): nothing of the page's is running
   if (msg.stage === "prefill" || (phase === "generating" && msg.stage === "compile")) {
     // Progress of a request shows next to the request, not in the model card.
     let text = msg.stage === "compile" ? "Compiling GPU pipelines for this request…" : `${msg.text}…`;

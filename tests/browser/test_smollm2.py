@@ -15,7 +15,7 @@ import pytest
 import needle_wgpu
 from needle_wgpu.reference.dense import DenseReference
 
-from .pages import SMOLLM2, ensure_bundled, fill_form, load_bundled, request
+from .pages import ARTIFACTS, SMOLLM2, ensure_bundled, fill_form, load_bundled, request
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -115,3 +115,5 @@ def test_multi_turn_chat_streams_and_matches_wgpu_py(smollm2_page, desktop):
         bubbles = page.eval_on_selector_all("#chat-log li", "els => els.map(e => [e.dataset.role, e.textContent])")
         assert bubbles == [[m["role"], m["content"]] for m in history]
         assert page.input_value("#chat-input") == ""
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-chat.png"), full_page=True)
