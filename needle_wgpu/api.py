@@ -38,7 +38,7 @@ class TokenEvent:
 class GenerationResult:
     text: str
     ids: list
-    finish_reason: str  # "eos", "stop", "length" (budget or context), "empty"
+    finish_reason: str  # "eos", "stop", "length" (budget or context), "empty", "stopped" (should_stop)
     prompt_tokens: int
     clamped_ids: int = 0
     time_to_first_token_s: float = 0.0
@@ -123,10 +123,16 @@ class Model:
     # ------------------------------------------------------------------ generation
     def stream(self, prompt=None, *, query=None, tools=None, system=None, ids=None, max_tokens=256,
                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv="f32", context=None,
-               result: GenerationResult | None = None):
-        """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end."""
+               result: GenerationResult | None = None, should_stop=None):
+        """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end.
+
+        ``should_stop(done, total)`` (optional) is asked before each prefill chunk (prompt
+        positions done, prompt length) and before each decode step (tokens produced, budget);
+        a true answer ends the request with finish reason "stopped".
+        """
         g = self.geometry
         instance_or_none(result, GenerationResult, "result")
+        callback_or_none(should_stop, "should_stop")
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
@@ -153,7 +159,12 @@ class Model:
                 out.finish_reason = "length"
                 return
             started = time.perf_counter()
-            next_id = session.prefill(request, sampling)
+            # should_stop only when given: a family's session need not take it otherwise
+            stop_hook = {} if should_stop is None else {"should_stop": should_stop}
+            next_id = session.prefill(request, sampling, **stop_hook)
+            if next_id is None:  # should_stop said so between chunks
+                out.finish_reason = "stopped"
+                return
             first = time.perf_counter()
             out.time_to_first_token_s = first - started
             out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
@@ -175,6 +186,9 @@ class Model:
                     text = text[: min(text.find(s) for s in stop_texts if s in text)]
                     break
                 if produced >= budget or session.position >= session.context:
+                    break
+                if should_stop is not None and should_stop(produced, budget):
+                    out.finish_reason = "stopped"
                     break
                 next_id = session.step(sampling)
             if decoder:

@@ -11,7 +11,10 @@ const ui = {
   progressDetail: $("progress-detail"), progressBar: $("progress-bar"), cacheList: $("cache-list"),
   cacheClear: $("cache-clear"), form: $("request-form"), generate: $("generate-button"), stop: $("stop-button"),
   output: $("output"), stats: $("stats"), callsBlock: $("calls-block"), calls: $("calls"), problems: $("problems"),
-  deviceName: $("device-name"),
+  deviceName: $("device-name"), bundled: $("bundled-select"), bundledNote: $("bundled-note"),
+  modelError: $("model-error"), modelQueued: $("model-queued"), modelNote: $("model-note"),
+  requestError: $("request-error"), requestNotice: $("request-notice"), runState: $("run-state"),
+  chatLog: $("chat-log"), chatInput: $("chat-input"), chatReset: $("chat-reset"),
 };
 
 let worker = null;
@@ -19,9 +22,15 @@ let nextId = 1;
 const pending = new Map();
 let mode = "tools";
 let modelLoaded = false;
-let busy = false;        // a load or a generation is running
-let generating = false;
+// One thing at a time: "booting", "loading", "generating" or "idle". Buttons follow it
+// (updateButtons); a model picked while busy waits in queuedLoad and loads afterwards.
+let phase = "booting";
+let stopping = false;
+let queuedLoad = null;
 let droppedFile = null;
+let manifest = null;
+let chatHistory = [];    // [{role, content}] of the conversation shown in the chat log
+const busy = () => phase !== "idle";
 
 // ---------------------------------------------------------------------------- worker plumbing
 function startWorker() {
@@ -44,7 +53,8 @@ let restarts = 0;
 
 function restart() {
   if (worker) worker.terminate();
-  modelLoaded = busy = generating = false;
+  modelLoaded = false;
+  phase = "booting";
   updateButtons();
   if (++restarts > 2) {  // a worker that cannot even start would otherwise loop forever
     setStatus("error", "Engine failed");
@@ -57,6 +67,7 @@ function restart() {
 
 function request(type, payload = {}, transfer = []) {
   const id = nextId++;
+  if (type === "load") needle.loadRequests += 1;
   return new Promise((resolve) => {
     pending.set(id, { resolve });
     worker.postMessage({ id, type, ...payload }, transfer);
@@ -72,15 +83,20 @@ function onWorkerMessage(msg) {
     }
   } else if (msg.type === "progress") {
     showProgress(msg);
+  } else if (msg.type === "stopping") {
+    if (phase === "generating") ui.runState.textContent = "Stopping…";
   } else if (msg.type === "fatal") {
     showError("The Python runtime crashed; the engine is restarting (the model will be loaded again).");
     restart();
   } else if (msg.type === "token") {
-    ui.output.append(document.createTextNode(msg.text));
+    (streamTarget || ui.output).append(document.createTextNode(msg.text));
     needle.streamedTokens = msg.count;
+    if (!stopping) ui.runState.textContent = "Generating…";
     ui.stats.textContent = `${msg.count} token${msg.count === 1 ? "" : "s"}…`;
   }
 }
+
+let streamTarget = null;  // where streamed tokens go: the output, or the chat's assistant bubble
 
 // ---------------------------------------------------------------------------- status and errors
 function setStatus(state, text) {
@@ -89,19 +105,52 @@ function setStatus(state, text) {
   document.body.dataset.state = state;
 }
 
-function showError(message) {
-  ui.bannerText.textContent = message;
-  ui.banner.hidden = false;
+// An error is shown next to the control that caused it ("model": the model card, "request":
+// the request form), scrolled into view, so that on a phone it is not off-screen; errors of the
+// engine itself go to the banner at the top.
+function showError(message, where = null) {
+  const target = where === "model" ? ui.modelError : where === "request" ? ui.requestError : null;
+  if (!target) {
+    ui.bannerText.textContent = message;
+    ui.banner.hidden = false;
+    ui.banner.scrollIntoView({ block: "nearest" });
+    return;
+  }
+  target.textContent = message;
+  target.hidden = false;
+  target.scrollIntoView({ block: "nearest" });
 }
 
 function clearError() {
   ui.banner.hidden = true;
   ui.bannerText.textContent = "";
+  for (const el of [ui.modelError, ui.requestError]) {
+    el.hidden = true;
+    el.textContent = "";
+  }
+}
+
+// The text of every visible error (tests read it).
+function errorText() {
+  return [ui.banner, ui.modelError, ui.requestError].filter((el) => !el.hidden)
+    .map((el) => el.textContent.replace(/×$/, "").trim()).join(" | ");
 }
 
 $("banner-close").addEventListener("click", clearError);
 
 function showProgress(msg) {
+  const entry = { stage: msg.stage, text: msg.text, done: msg.done, total: msg.total, phase, shown: "" };
+  needle.progressLog.push(entry);
+  if (needle.onProgress) needle.onProgress(msg);
+  if (phase === "idle") return;  // a test hook's request (logits, bench): nothing of the page's is running
+  if (msg.stage === "prefill" || (phase === "generating" && msg.stage === "compile")) {
+    // Progress of a request shows next to the request, not in the model card.
+    let text = msg.stage === "compile" ? "Compiling GPU pipelines for this request…" : `${msg.text}…`;
+    if (msg.stage === "prefill" && !needle.generations) text += " (the first request also compiles GPU pipelines)";
+    if (!stopping) ui.runState.textContent = text;
+    entry.shown = ui.runState.textContent;
+    return;
+  }
   ui.progress.hidden = false;
   ui.progressStage.textContent = msg.text || msg.stage;
   let detail = "";
@@ -117,6 +166,7 @@ function showProgress(msg) {
   } else {
     ui.progressBar.removeAttribute("value");  // indeterminate
   }
+  entry.shown = ui.progressStage.textContent;
 }
 
 function hideProgress() {
@@ -126,32 +176,72 @@ function hideProgress() {
 const mb = (bytes) => `${(bytes / 1e6).toFixed(bytes < 1e7 ? 2 : 1)} MB`;
 
 function updateButtons() {
-  ui.generate.disabled = busy || !modelLoaded;
-  ui.load.disabled = busy;
-  ui.stop.disabled = !generating;
+  ui.generate.disabled = busy() || !modelLoaded;
+  ui.load.disabled = busy();
+  ui.stop.disabled = phase !== "generating" || stopping;
+  ui.chatReset.disabled = phase === "generating";
+  ui.generate.textContent = mode === "chat" ? "Send" : "Generate";
 }
 
 // ---------------------------------------------------------------------------- boot and load
+function bundledEntry(file) {
+  return manifest && manifest.models.find((m) => m.file === file || m.file.split("/").pop() === file);
+}
+
+function fillBundled() {
+  ui.bundled.replaceChildren();
+  for (const m of manifest.models) {
+    const option = document.createElement("option");
+    option.value = m.file;
+    option.textContent = `${m.name}, ${mb(m.bytes)}`;
+    ui.bundled.append(option);
+  }
+  const wanted = bundledEntry(new URLSearchParams(location.search).get("model") || "");
+  if (wanted) ui.bundled.value = wanted.file;
+  describeBundled();
+}
+
+function describeBundled() {
+  const m = bundledEntry(ui.bundled.value);
+  ui.bundledNote.textContent = !m ? "" : m.synthetic ?
+    "A tiny Needle 3 with random weights: it shows the engine working, and its output is random text." :
+    "A real instruction-tuned model: chat with it. The first visit downloads it once; the browser keeps it in its cache.";
+}
+
+ui.bundled.addEventListener("change", describeBundled);
+
 async function boot() {
+  phase = "booting";
+  updateButtons();
   setStatus("busy", "Starting the engine…");
   const reply = await request("boot");
   if (!reply.ok) {
+    phase = "idle";
     setStatus("error", "Engine failed");
     showError(reply.error.message);
+    updateButtons();
     return;
   }
   const { device, bootSeconds, stages } = reply.result;
+  manifest = reply.result.manifest;
+  fillBundled();
   needle.bootSeconds = bootSeconds;
   needle.bootStages = stages;
   if (!device.ok) {
+    phase = "idle";
     setStatus("error", "No GPU");
     showError(device.error.message);
     hideProgress();
+    updateButtons();
     return;
   }
   ui.deviceName.textContent = device.result.adapter;
   setStatus("ready", `Ready · engine started in ${bootSeconds.toFixed(1)} s`);
-  await loadModel({ source: "default" });
+  phase = "idle";
+  // A model picked while the engine was starting wins over the bundled one.
+  const first = queuedLoad || { source: "default", file: ui.bundled.value };
+  queuedLoad = null;
+  await loadModel(first);
   refreshCache();
 }
 
@@ -159,15 +249,29 @@ function selectedSource() {
   return document.querySelector('input[name="source"]:checked').value;
 }
 
+function describeSpec(spec) {
+  return spec.source === "file" ? spec.file.name : spec.source === "url" ? spec.url :
+    (bundledEntry(spec.file) || { name: "the bundled model" }).name;
+}
+
 async function loadModel(spec) {
+  if (busy()) {
+    // Never ignored, never run twice: the latest pick waits for the current work.
+    queuedLoad = spec;
+    ui.modelQueued.textContent = `${describeSpec(spec)} will be loaded when the ${phase === "booting" ?
+      "engine has started" : phase === "generating" ? "current generation ends" : "current load ends"}.`;
+    ui.modelQueued.hidden = false;
+    return { ok: false, queued: true };
+  }
   clearError();
-  busy = true;
+  ui.modelQueued.hidden = true;
+  phase = "loading";
   updateButtons();
-  setStatus("busy", "Loading the model…");
+  setStatus("busy", `Loading ${describeSpec(spec)}…`);
   const started = performance.now();
   const reply = await request("load", spec);
   needle.lastLoad = reply;
-  busy = false;
+  phase = "idle";
   hideProgress();
   if (reply.ok) {
     const m = reply.result;
@@ -178,28 +282,64 @@ async function loadModel(spec) {
       `ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines`;
     ui.deviceName.textContent = m.device.adapter;
     setStatus("ready", "Ready");
+    const entry = spec.source === "default" ? bundledEntry(spec.file) : null;
+    m.synthetic = Boolean(entry && entry.synthetic);
     needle.model = m;
+    showModelNote(m);
+    chooseModes(m);
     if (m.cachedNow) refreshCache();
   } else {
     setStatus(modelLoaded ? "ready" : "idle", modelLoaded ? "Ready (previous model)" : "No model loaded");
-    showError(reply.error.message);
+    showError(reply.error.message, "model");
   }
   updateButtons();
+  await runQueued();
   return reply;
 }
 
-ui.load.addEventListener("click", () => {
+async function runQueued() {
+  if (queuedLoad && !busy()) {
+    const spec = queuedLoad;
+    queuedLoad = null;
+    await loadModel(spec);
+  }
+}
+
+function showModelNote(m) {
+  ui.modelNote.hidden = !m.synthetic;
+  ui.modelNote.textContent = m.synthetic ? "This model is synthetic (random weights): its output is random text. " +
+    "It is here to show the engine working; load SmolLM2 or your own .gguf for real answers." : "";
+}
+
+// Chat for models with a chat template (GGUF), the tool-calling form for Needle 3, a free
+// prompt for both.
+function chooseModes(m) {
+  const dense = m.family === "dense";
+  $("tab-chat").hidden = !dense;
+  $("tab-tools").hidden = dense;
+  // A new model opens on its own form (chat or tool call); a reload of the same one keeps the form.
+  const fresh = needle.chatModel !== m.name;
+  if (fresh || (dense && mode === "tools") || (!dense && mode === "chat")) selectMode(dense ? "chat" : "tools");
+  if (fresh) resetChat();
+  needle.chatModel = m.name;
+}
+
+function loadFromControls() {
   const source = selectedSource();
   if (source === "file") {
     const file = droppedFile || ui.fileInput.files[0];
-    if (!file) return showError("Choose a .cact file first.");
+    if (!file) return showError("Choose a .gguf or .cact file first.", "model");
     return loadModel({ source: "file", file });
   }
   if (source === "url") {
-    if (!ui.url.value.trim()) return showError("Enter the URL of a .cact file first.");
+    if (!ui.url.value.trim()) return showError("Enter the URL of a .gguf or .cact file first.", "model");
     return loadModel({ source: "url", url: ui.url.value.trim() });
   }
-  return loadModel({ source: "default" });
+  return loadModel({ source: "default", file: ui.bundled.value });
+}
+
+ui.load.addEventListener("click", () => {
+  if (!busy()) loadFromControls();  // the button is disabled while busy; this guards a stale click
 });
 
 for (const radio of document.querySelectorAll('input[name="source"]')) {
@@ -213,7 +353,7 @@ function pickSource(value) {
 
 ui.fileInput.addEventListener("change", () => {
   droppedFile = null;
-  if (ui.fileInput.files[0] && !busy) loadModel({ source: "file", file: ui.fileInput.files[0] });
+  if (ui.fileInput.files[0]) loadModel({ source: "file", file: ui.fileInput.files[0] });
 });
 
 const modelCard = $("model-card");
@@ -229,7 +369,7 @@ modelCard.addEventListener("drop", (event) => {
   if (!file) return;
   droppedFile = file;
   pickSource("file");
-  if (!busy) loadModel({ source: "file", file });
+  loadModel({ source: "file", file });
 });
 
 async function refreshCache() {
@@ -261,12 +401,16 @@ ui.cacheClear.addEventListener("click", async () => {
 });
 
 // ---------------------------------------------------------------------------- generation
+function selectMode(value) {
+  mode = value;
+  for (const t of document.querySelectorAll('[role="tab"]')) t.setAttribute("aria-selected", String(t.dataset.mode === mode));
+  for (const panel of document.querySelectorAll(".mode-panel")) panel.hidden = panel.dataset.mode !== mode;
+  ui.output.hidden = mode === "chat";
+  updateButtons();
+}
+
 for (const tab of document.querySelectorAll('[role="tab"]')) {
-  tab.addEventListener("click", () => {
-    mode = tab.dataset.mode;
-    for (const t of document.querySelectorAll('[role="tab"]')) t.setAttribute("aria-selected", String(t === tab));
-    for (const panel of document.querySelectorAll(".mode-panel")) panel.hidden = panel.dataset.mode !== mode;
-  });
+  tab.addEventListener("click", () => selectMode(tab.dataset.mode));
 }
 
 function readRequest() {
@@ -275,6 +419,7 @@ function readRequest() {
     mode, temperature: value("temperature"), top_k: value("top-k"), top_p: value("top-p"),
     max_tokens: value("max-tokens"), seed: value("seed"),
   };
+  if (mode === "chat") return { ...base, messages: [...chatHistory, { role: "user", content: ui.chatInput.value }] };
   return mode === "tools" ? { ...base, tools: value("tools-input"), query: value("query-input") }
                           : { ...base, prompt: value("prompt-input") };
 }
@@ -285,6 +430,7 @@ function formatStats(r) {
   if (r.decodeTokensPerSecond != null) parts.push(`${r.decodeTokensPerSecond.toFixed(1)} tokens/s`);
   parts.push(`${r.tokens} token${r.tokens === 1 ? "" : "s"}`);
   parts.push(`prompt ${r.promptTokens}`);
+  parts.push(`context ${r.contextUsed} / ${r.context}`);
   parts.push(`finish: ${r.finishReason}`);
   if (r.tokens && !r.text.trim()) parts.push("the output is only whitespace");
   const s = r.settings;
@@ -292,32 +438,84 @@ function formatStats(r) {
   return parts.join(" · ");
 }
 
+function chatBubble(role, text) {
+  const li = document.createElement("li");
+  li.dataset.role = role;
+  li.textContent = text;
+  ui.chatLog.append(li);
+  li.scrollIntoView({ block: "nearest" });
+  return li;
+}
+
+function resetChat() {
+  chatHistory = [];
+  ui.chatLog.replaceChildren();
+}
+
+ui.chatReset.addEventListener("click", resetChat);
+
 async function generate() {
-  if (busy || !modelLoaded) return;
+  if (busy() || !modelLoaded) return;
   clearError();
-  busy = generating = true;
+  ui.requestNotice.hidden = true;
+  phase = "generating";
+  stopping = false;
   updateButtons();
   setStatus("busy", "Generating…");
-  ui.output.replaceChildren();
+  const payload = readRequest();
+  let userBubble = null;
+  if (mode === "chat") {
+    userBubble = chatBubble("user", ui.chatInput.value);
+    streamTarget = chatBubble("assistant", "");
+  } else {
+    ui.output.replaceChildren();
+    streamTarget = ui.output;
+  }
   needle.streamedTokens = 0;
-  ui.stats.textContent = "Prefilling the prompt…";
+  ui.stats.textContent = "";
+  ui.runState.textContent = "Reading the prompt…";
   ui.callsBlock.hidden = true;
-  const reply = await request("generate", { request: readRequest() });
-  busy = generating = false;
-  hideProgress();
+  const reply = await request("generate", { request: payload });
+  const bubble = streamTarget;
+  streamTarget = null;
+  phase = "idle";
+  stopping = false;
+  ui.runState.textContent = "";
   needle.lastResult = reply;
+  needle.generations += 1;
   if (reply.ok) {
     const r = reply.result;
-    ui.output.textContent = r.text;
+    if (mode === "chat") {
+      bubble.textContent = r.text;
+      if (r.tokens) {
+        chatHistory.push({ role: "user", content: ui.chatInput.value }, { role: "assistant", content: r.text });
+        ui.chatInput.value = "";
+      } else {
+        userBubble.remove();
+        bubble.remove();
+      }
+    } else {
+      ui.output.textContent = r.text;
+    }
     ui.stats.textContent = formatStats(r);
+    if (r.notice) {
+      ui.requestNotice.textContent = r.notice;
+      ui.requestNotice.hidden = false;
+      ui.requestNotice.scrollIntoView({ block: "nearest" });
+    }
     if (r.completion) showCompletion(r.completion);
     setStatus("ready", "Ready");
   } else {
+    if (userBubble) {
+      userBubble.remove();
+      bubble.remove();
+    }
     ui.stats.textContent = "";
-    showError(reply.error.message);
+    showError(reply.error.message, "request");
     setStatus("ready", reply.error.kind === "DeviceLostError" ? "GPU lost · will recover" : "Ready");
   }
   updateButtons();
+  await runQueued();
   return reply;
 }
 
@@ -337,15 +535,24 @@ ui.form.addEventListener("submit", (event) => {
   event.preventDefault();
   generate();
 });
-ui.stop.addEventListener("click", () => worker.postMessage({ type: "stop" }));
+ui.stop.addEventListener("click", () => {
+  if (phase !== "generating" || stopping) return;
+  stopping = true;
+  ui.runState.textContent = "Stopping…";
+  setStatus("busy", "Stopping…");
+  updateButtons();
+  worker.postMessage({ type: "stop" });
+});
 
 // ---------------------------------------------------------------------------- start
 // For the browser tests and the console: the request channel and the last results.
-const needle = { request, generate, loadModel, bootSeconds: null, model: null, lastResult: null, lastLoad: null,
-                 streamedTokens: 0 };
+const needle = { request, generate, loadModel, errorText, bootSeconds: null, model: null, lastResult: null,
+                 lastLoad: null, streamedTokens: 0, progressLog: [], loadRequests: 0, generations: 0,
+                 chatModel: null, onProgress: null, state: () => ({ phase, stopping, queued: Boolean(queuedLoad) }) };
 window.needle = needle;
 
 if (!navigator.gpu) {
+  phase = "idle";
   setStatus("error", "No WebGPU");
   showError("This browser has no WebGPU, which the engine needs. Use a recent Chrome or Edge on a desktop or Android " +
             "(on Linux, WebGPU may have to be enabled in chrome://flags).");

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=16, help="prompt length in tokens")
     parser.add_argument("--decode", type=int, default=8, help="tokens to generate")
-    parser.add_argument("--model", help="a .cact file to load instead of the bundled model")
+    parser.add_argument("--model", help="a .gguf or .cact file to load instead of the default model")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     args = parser.parse_args(argv)
     if not (DIST / "build.json").exists():
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                 page.wait_for_function("() => window.needle.lastLoad !== null", timeout=0)
             model = page.evaluate("() => window.needle.model")
             if model is None:
-                raise SystemExit(f"no model loaded: {page.text_content('#banner-text')}")
+                raise SystemExit(f"no model loaded: {page.evaluate('() => window.needle.errorText()')}")
             report["model"] = model
             reply = page.evaluate("([p, d]) => window.needle.request('bench', {prompt: p, decode: d})",
                                   [args.prompt, args.decode])

@@ -21,7 +21,7 @@ from pyodide.ffi import run_sync
 
 from needle_wgpu.api import GenerationResult, Model
 from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
-from needle_wgpu.families import family_of
+from needle_wgpu.families import FAMILIES
 from needle_wgpu.gpu.browser import create_browser_device
 from needle_wgpu.sampling import Sampling, clamp_budget
 
@@ -88,7 +88,8 @@ def _open_device():
 
 def _device_summary(device) -> dict:
     lim = device.limits
-    return {"adapter": device.adapter_name, "maxStorageBinding": lim.max_storage_binding,
+    return {"adapter": device.adapter_name, "softwareRasterizer": device.software_rasterizer,
+            "maxStorageBinding": lim.max_storage_binding,
             "maxBuffer": lim.max_buffer, "workgroupStorage": lim.max_workgroup_storage,
             "storageBuffers": lim.max_storage_buffers}
 
@@ -98,12 +99,37 @@ def open_device() -> dict:
     return _device_summary(_open_device())
 
 
+# What a file that is not a model usually is, by its first bytes (for the error message).
+NOT_A_MODEL = ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+               (b"PK\x03\x04", "a ZIP archive"), (b"\x1f\x8b", "a gzip archive"), (b"%PDF", "a PDF document"),
+               (b"<", "an HTML or XML page"), (b"{", "a JSON file"), (b"[", "a JSON file"))
+
+
+def _sniff(data: bytes, name: str):
+    """The model family of ``data``, or an InputError that names the file and says in words
+    what it is instead (a picked PNG should not read as 'wrong tag 0x474E5089')."""
+    head = bytes(data[:8])
+    for family in FAMILIES.values():
+        if family.sniff(head[:4]):
+            return family
+    text = head.lstrip()
+    what = next((kind for magic, kind in NOT_A_MODEL if text.startswith(magic)), None)
+    if what is None and len(data) >= 10 and data[8:10] == b'{"':
+        what = "a safetensors file (convert it to GGUF first)"
+    what = what or f"not a model file (it starts with the bytes {head[:4].hex(' ')})"
+    raise InputError(f"{name}: this is {what}, not a model: the page loads GGUF (.gguf) and Needle 3 "
+                     f"(.cact) files")
+
+
 def _upload(data: bytes, name: str) -> dict:
     """Validate, then upload. The old model's buffers are freed first; a healthy device (with its
     compiled pipelines) is kept, a lost one replaced."""
     started = time.perf_counter()
-    family = family_of(data)
-    model_file = family.read(data)  # raises ContainerError before the loaded model is touched
+    family = _sniff(data, name)
+    try:
+        model_file = family.read(data)  # raises ContainerError before the loaded model is touched
+    except NeedleError as exc:
+        raise type(exc)(f"{name}: {exc}") from None
     parsed = time.perf_counter()
     State.model = None  # if this upload fails, the next request re-uploads the previous model
     device = State.device
@@ -134,7 +160,8 @@ def _upload(data: bytes, name: str) -> dict:
     State.model, State.model_bytes, State.model_name = model, data, name
     State.summary = {
         "name": name, "bytes": len(data), "layers": g.num_layers, "dModel": g.d_model, "vocab": g.vocab,
-        "context": g.max_seq_len, "tokenizer": model.tokenizer is not None,
+        "context": session_context(model), "maxContext": g.max_seq_len, "tokenizer": model.tokenizer is not None,
+        "family": model.describe().get("family", ""),
         "parseSeconds": round(parsed - started, 3), "uploadSeconds": round(uploaded - parsed, 3),
         "compileSeconds": round(compiled - uploaded, 3), "pipelines": device.pipeline_count,
         "device": _device_summary(device),
@@ -162,6 +189,50 @@ def _ready_model() -> Model:
     return State.model
 
 
+PAGE_CONTEXT = 4096  # positions of a request's session (the KV cache the page allocates)
+
+
+def session_context(model: Model) -> int:
+    return min(model.geometry.max_seq_len, PAGE_CONTEXT)
+
+
+# ---------------------------------------------------------------------------- chat
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def render_chatml(messages: list) -> str:
+    """SmolLM2's chat template (ChatML): each turn as ``<|im_start|>{role}\n{content}<|im_end|>\n``,
+    then ``<|im_start|>assistant\n`` for the reply.
+
+    Interim: when the engine's chat templates land (``Model.chat(messages)`` rendering the
+    file's own jinja template), ``chat_prompt`` calls that instead and this function goes.
+    """
+    parts = []
+    for message in messages:
+        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def chat_prompt(model: Model, messages) -> str:
+    """The prompt text of a conversation (a list of {role, content}); checked here, so the page
+    can send whatever its form holds."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError("messages: the conversation is empty")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise InputError(f"messages[{i}]: each message needs a role ({', '.join(CHAT_ROLES)}) and content")
+        content = message.get("content")
+        checked.append({"role": message["role"], "content": "" if content is None else str(content)})
+    if checked[-1]["role"] != "user" or not checked[-1]["content"].strip():
+        raise InputError("the message is empty")
+    text = render_chatml(checked)
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InputError(f"the conversation is {len(text):,} characters long (at most {MAX_PROMPT_CHARS:,}): "
+                         "start a new chat")
+    return text
+
+
 # ---------------------------------------------------------------------------- generation
 def _request(request_json: str) -> dict:
     try:
@@ -181,60 +252,96 @@ def _text(request: dict, key: str) -> str:
     return value
 
 
+def stop_requested() -> bool:
+    return bool(getattr(js, "needleStopRequested", False))
+
+
+class StopCheck:
+    """``Model.stream``'s ``should_stop`` for the page. Until the first token it is called
+    between prefill chunks: it waits for the chunk just submitted (so the page's Stop message
+    gets through and the progress is true), reports progress and reads the Stop flag. Between
+    decode steps the token's readback has already waited: it only reads the flag."""
+
+    def __init__(self, device):
+        self.device = device
+        self.decoding = False  # set by generate() when the first token arrives
+
+    def __call__(self, done: int, total: int) -> bool:
+        if not self.decoding:
+            if done:
+                self.device.check("prefill")
+                run_sync(js.needleYield())  # one macrotask turn: the worker reads the page's "stop"
+            progress("prefill", f"Reading the prompt ({done:,} of {total:,} tokens)", done, total)
+        return stop_requested()
+
+
 @entry
 def generate(request_json: str) -> dict:
     request = _request(request_json)
     model = _ready_model()
     mode = request.get("mode", "prompt")
-    if mode not in ("tools", "prompt"):
-        raise InputError(f"unknown mode {mode!r} (expected 'tools' or 'prompt')")
+    if mode not in ("tools", "prompt", "chat"):
+        raise InputError(f"unknown mode {mode!r} (expected 'tools', 'prompt' or 'chat')")
     if mode == "tools":
         inputs = {"query": _text(request, "query"), "tools": _text(request, "tools") or "[]",
                   "system": _text(request, "system") or None}
+    elif mode == "chat":
+        inputs = {"prompt": chat_prompt(model, request.get("messages"))}
     else:
         prompt = _text(request, "prompt")
         if not prompt.strip():
             raise InputError("the prompt is empty")
         inputs = {"prompt": prompt}
+    context = session_context(model)
     knobs = {k: request.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
     sampling = Sampling.saturate(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
                                  vocab=model.geometry.head_rows)
     effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], model.geometry.max_seq_len)}
+                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context)}
 
     result = GenerationResult("", [], "empty", 0)
     pieces, ids = [], []
     started = time.perf_counter()
     first = last = None
-    stopped = False
-    stream = model.stream(**inputs, result=result, **knobs)
+    should_stop = StopCheck(State.device)
+    stream = model.stream(**inputs, result=result, context=context, should_stop=should_stop, **knobs)
     try:
         for event in stream:
+            should_stop.decoding = True
             last = time.perf_counter()
             first = first or last
             pieces.append(event.text)
             ids.append(event.id)
             emit(type="token", id=event.id, text=event.text, count=len(pieces))
-            if getattr(js, "needleStopRequested", False):
-                stopped = True
-                break
     finally:
         stream.close()
+    stopped = result.finish_reason == "stopped"
     text = result.text if not stopped and result.text else "".join(pieces)
     decode_seconds = (last - first) if first is not None else 0.0
     decode_rate = (len(pieces) - 1) / decode_seconds if len(pieces) > 1 and decode_seconds > 0 else None
     out = {
         "text": text, "tokens": len(pieces), "ids": ids, "promptTokens": result.prompt_tokens,
-        "finishReason": "stopped" if stopped else result.finish_reason,
+        "context": context, "contextUsed": min(context, result.prompt_tokens + len(pieces)),
+        "finishReason": result.finish_reason,
         "timeToFirstTokenSeconds": finite(first - started) if first is not None else None,
         "decodeTokensPerSecond": finite(decode_rate) if decode_rate is not None else None,
         "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 1),
-        "clampedIds": result.clamped_ids, "settings": effective, "mode": mode,
+        "clampedIds": result.clamped_ids, "settings": effective, "mode": mode, "notice": None,
     }
+    if result.prompt_tokens >= context:
+        out["notice"] = (f"The prompt is {result.prompt_tokens:,} tokens but the context holds {context:,}: "
+                         f"nothing could be generated. Shorten it by at least "
+                         f"{result.prompt_tokens - context + 1:,} tokens" + (" or start a new chat." if mode == "chat"
+                                                                          else "."))
+    elif result.finish_reason == "length" and out["tokens"] == 0 and effective["max_tokens"] == 0:
+        out["notice"] = "Max tokens is 0: nothing was generated."
+    elif stopped and not pieces:
+        out["notice"] = "Stopped while reading the prompt: nothing was generated."
     if mode == "tools":
-        completion = _ready_model().chat_format.parse(text)
-        out["completion"] = {"toolCalls": completion.tool_calls, "thinking": completion.thinking,
-                             "problems": completion.problems, "abstained": completion.abstained}
+        completion = model.chat_format.parse(text)
+        if completion is not None:
+            out["completion"] = {"toolCalls": completion.tool_calls, "thinking": completion.thinking,
+                                 "problems": completion.problems, "abstained": completion.abstained}
     return out
 
 
@@ -290,7 +397,9 @@ def lose_device() -> dict:
 def info() -> dict:
     device = State.device
     return {"device": _device_summary(device) if device is not None else None, "model": State.summary,
-            "counters": vars(device.counters) if device is not None else None}
+            "counters": vars(device.counters) if device is not None else None,
+            # Which kernel shapes were compiled: q_matmul_rows / cq_matmul_rows on a CPU adapter (§8).
+            "kernels": sorted({key.family for key in device._pipelines}) if device is not None else []}
 
 
 @entry

@@ -33,6 +33,8 @@ function progress(stage, text, done = null, total = null) {
 
 // Called from Python with a JSON string (tokens, progress, notes).
 globalThis.needleEmit = (json) => post(JSON.parse(json));
+// Python waits on this between prefill chunks: a macrotask turn, so a "stop" message is read.
+globalThis.needleYield = () => new Promise((resolve) => setTimeout(resolve, 0));
 
 async function boot() {
   const started = performance.now();
@@ -72,7 +74,7 @@ async function boot() {
 // ---------------------------------------------------------------------------- model bytes
 async function fetchWithProgress(url, label) {
   const response = await fetch(url);
-  if (!response.ok) throw new UserError(`download failed: HTTP ${response.status} ${response.statusText} for ${url}`);
+  if (!response.ok) throw new UserError(`${url}: download failed: HTTP ${response.status} ${response.statusText}`.trim());
   const total = Number(response.headers.get("content-length")) || null;
   if (!response.body) return new Uint8Array(await response.arrayBuffer());
   const reader = response.body.getReader();
@@ -104,17 +106,28 @@ async function modelBytes(msg) {
   if (msg.source === "file") {
     if (!msg.file) throw new UserError("no file was given");
     progress("download", `Reading ${msg.file.name}`, 0, msg.file.size);
-    const bytes = new Uint8Array(await msg.file.arrayBuffer());
-    return { bytes, name: msg.file.name, cacheKey: null, cached: false };
-  }
-  if (msg.source === "url") {
-    let url;
+    let buffer;
     try {
-      url = new URL(String(msg.url || "").trim(), self.location.href);
-    } catch {
-      throw new UserError(`not a valid URL: ${String(msg.url).slice(0, 200)}`);
+      buffer = await msg.file.arrayBuffer();
+    } catch (error) {
+      throw new UserError(`${msg.file.name}: the browser could not read the file (${error.message})`);
     }
-    if (!/^https?:$/.test(url.protocol)) throw new UserError(`only http(s) URLs can be loaded, not ${url.protocol}`);
+    return { bytes: new Uint8Array(buffer), name: msg.file.name, cacheKey: null, cached: false };
+  }
+  if (msg.source === "url" || msg.source === "default") {
+    let url;
+    if (msg.source === "default") {
+      // A bundled model (the first of build.json unless the page names one): cached like a URL.
+      const entry = manifest.models.find((m) => m.file === msg.file) || manifest.models[0];
+      url = new URL(`${entry.file}?sha256=${entry.sha256}`, import.meta.url);  // a new file, a new cache entry
+    } else {
+      try {
+        url = new URL(String(msg.url || "").trim(), self.location.href);
+      } catch {
+        throw new UserError(`not a valid URL: ${String(msg.url).slice(0, 200)}`);
+      }
+    }
+    if (!/^https?:$/.test(url.protocol)) throw new UserError(`${url.href}: only http(s) URLs can be loaded, not ${url.protocol}`);
     const name = decodeURIComponent(url.pathname.split("/").pop() || url.host);
     const cache = await cacheOpen();
     const hit = cache ? await cache.match(url.href) : null;
@@ -127,13 +140,12 @@ async function modelBytes(msg) {
       bytes = await fetchWithProgress(url.href, name);
     } catch (error) {
       if (error instanceof UserError) throw error;
-      throw new UserError(`download failed (${error.message}); the server must allow cross-origin requests (CORS)`);
+      throw new UserError(`${url.href}: download failed (${error.message}); the server must allow ` +
+        "cross-origin requests (CORS)");
     }
     return { bytes, name, cacheKey: url.href, cached: false };
   }
-  const url = new URL(manifest.models[0].file, import.meta.url);
-  const bytes = await fetchWithProgress(url.href, "the bundled model");
-  return { bytes, name: url.pathname.split("/").pop(), cacheKey: null, cached: false };
+  throw new UserError(`unknown model source ${String(msg.source).slice(0, 40)}`);
 }
 
 class UserError extends Error {}
@@ -168,7 +180,8 @@ const handlers = {
     return result;
   },
   async cq_matmul(msg) {
-    const model = await modelBytes({ source: "default" });
+    const synthetic = manifest.models.find((m) => m.synthetic);  // the bundled .cact
+    const model = await modelBytes({ source: "default", file: synthetic.file });
     return callPython("cq_matmul", model.bytes, msg.tensor, Float32Array.from(msg.x), msg.positions);
   },
   async bench(msg) {
@@ -249,6 +262,7 @@ self.onmessage = (event) => {
   const msg = event.data || {};
   if (msg.type === "stop") {
     globalThis.needleStopRequested = true;
+    post({ type: "stopping" });
     return;
   }
   queue.push(msg);

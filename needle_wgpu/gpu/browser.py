@@ -134,6 +134,16 @@ async def _request_device(power_preference: str) -> tuple:
     return device, adapter.info
 
 
+def is_software_adapter(adapter_info) -> bool:
+    """A CPU rasterizer behind WebGPU (Chromium's SwiftShader, or an adapter that says it is a
+    fallback): kernels then take their CPU shape (spec dense-gguf §8)."""
+    architecture = str(getattr(adapter_info, "architecture", "") or "").lower()
+    description = str(getattr(adapter_info, "description", "") or "").lower()
+    fallback = getattr(adapter_info, "isFallbackAdapter", False) is True
+    return fallback or any(name in text for name in ("swiftshader", "llvmpipe", "lavapipe")
+                           for text in (architecture, description))
+
+
 class BrowserDevice(Device):
     """A ``GPUDevice`` seen through Pyodide.
 
@@ -163,6 +173,7 @@ class BrowserDevice(Device):
         if adapter_info is not None:
             parts = [str(getattr(adapter_info, k, "") or "") for k in ("vendor", "architecture", "description")]
             self.adapter_name = " ".join(p for p in parts if p) or "WebGPU adapter"
+            self.software_rasterizer = is_software_adapter(adapter_info)
         lim = gpu_device.limits
         binding = int(lim.maxStorageBufferBindingSize)
         if max_storage_binding is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import ContextFullError, InputError, NeedleError
 from ..gpu.device import Device, Plan
-from ..inputs import checked_methods, id_list
+from ..inputs import callback_or_none, checked_methods, id_list
 from ..sampling import Sampling, clamp_count, saturate_ids
 
 
@@ -96,13 +96,21 @@ class ChunkedSession:
         dev.run(self._plan(PlanKey(T, sample, all_logits)))
         self.position += T
 
-    def prefill(self, ids: list, sampling: Sampling | None = None):
-        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one."""
+    def prefill(self, ids: list, sampling: Sampling | None = None, should_stop=None):
+        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one.
+
+        ``should_stop(done, total)``, if given, is called before each chunk with the positions
+        prefilled so far and the prompt's length; a true answer ends the prefill there and
+        returns None (the positions already run stay in the cache).
+        """
         self._check()
         ids, sampling = session_ids(ids), session_sampling(sampling, self.logit_rows, required=False)
+        callback_or_none(should_stop, "should_stop")
         if not ids:
             return None
         for start in range(0, len(ids), self.chunk):
+            if should_stop is not None and should_stop(start, len(ids)):
+                return None
             part = ids[start : start + self.chunk]
             last = start + self.chunk >= len(ids)
             self._run_chunk(part, sampling if last else None)

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from .pages import CHROMIUM, DIST, ROOT, banner, launch
+from .pages import BUNDLED, CHROMIUM, DIST, ROOT, SLOW_PAGE_MS, banner, launch
 
-# SwiftShader is slow (a few tokens per second on the tiny model): generous, but finite.
-SLOW_MS = 240_000
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -66,10 +64,10 @@ def app(browser, site, console_lines):
     """The demo page, booted, with the bundled model loaded (what a visitor sees first)."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
-    page.set_default_timeout(SLOW_MS)
+    page.set_default_timeout(SLOW_PAGE_MS)
     page.on("console", lambda message: console_lines.append(f"{message.type}: {message.text}"))
     page.on("pageerror", lambda error: console_lines.append(f"pageerror: {error}"))
-    page.goto(site)
+    page.goto(f"{site}?model={BUNDLED.name}")  # the tiny model first: most tests need only the machinery
     page.wait_for_function("() => window.needle && window.needle.ready")
     page.evaluate("() => window.needle.ready")
     model = page.evaluate("() => window.needle.model")

