@@ -214,7 +214,7 @@ class DenseSession(ChunkedSession):
         self.model = model
         self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
         self.rewindable = all(shape.window is None for shape in model.shapes)  # a ring forgets keys
-        mode = str(kv).lower()
+        mode = "f32" if kv is None else str(kv).lower()
         if mode not in KV_MODES:
             raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")
         dev = self.device
