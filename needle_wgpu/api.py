@@ -110,10 +110,15 @@ class Model:
     # ------------------------------------------------------------------ generation
     def stream(self, prompt=None, *, query=None, tools=None, system=None, ids=None, max_tokens=256,
                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv="f32", context=None,
-               result: GenerationResult | None = None):
-        """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end."""
+               constrained=None, result: GenerationResult | None = None):
+        """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end.
+
+        ``constrained`` (default: on for tool calls, where the family has an answer grammar):
+        every sampled id keeps the answer inside the grammar (tool names, schema-valid
+        arguments, ``[]`` allowed), the mask applied on the GPU before sampling."""
         g = self.geometry
         instance_or_none(result, GenerationResult, "result")
+        matcher = self._matcher(tools, constrained, query is not None or tools is not None)
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
@@ -132,11 +137,12 @@ class Model:
             # prompt + completion <= context. A prompt that fills the context (or is longer),
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
             budget = clamp_budget(max_tokens, session.context - len(request))
-            if budget == 0:
-                out.finish_reason = "length"
+            if budget == 0 or matcher is not None and not matcher.fits(budget):
+                out.finish_reason = "length"  # constrained: no answer of the grammar fits the budget
                 return
             started = time.perf_counter()
-            next_id = session.prefill(request, sampling)
+            masking = 0.0
+            next_id = session.prefill(request, sampling, mask=matcher.mask(budget) if matcher else None)
             first = time.perf_counter()
             out.time_to_first_token_s = first - started
             out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
@@ -145,6 +151,8 @@ class Model:
             produced = 0
             out.finish_reason = "length"
             while True:
+                if matcher is not None:
+                    matcher.accept(next_id)
                 if next_id in stops:
                     out.finish_reason = "eos"
                     break
@@ -159,7 +167,14 @@ class Model:
                     break
                 if produced >= budget or session.position >= session.context:
                     break
-                next_id = session.step(sampling)
+                mask = None
+                if matcher is not None:
+                    started_mask = time.perf_counter()
+                    mask = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
+                    masking += time.perf_counter() - started_mask
+                next_id = session.step(sampling, mask=mask)
+            if matcher is not None:
+                out.timings["mask_s"] = masking
             if decoder:
                 text += decoder.finish() if out.finish_reason != "stop" else ""
             elapsed = time.perf_counter() - first
@@ -167,6 +182,34 @@ class Model:
             out.text = text
         finally:
             session.close()
+
+    def _matcher(self, tools, constrained, tool_request: bool):
+        """A grammar matcher for a constrained request, or None (vocabulary trie built once)."""
+        grammar_of = getattr(self.chat, "answer_grammar", None)
+        wanted = tool_request and grammar_of is not None if constrained is None else bool(constrained)
+        if not wanted:
+            return None
+        if grammar_of is None or not getattr(self.gpu, "supports_mask", True) or self.tokenizer is None:
+            raise UnsupportedModelError("this model family has no constrained tool-call decoding")
+        from .grammar import Automaton, Constraint, GrammarError, Vocabulary
+
+        vocabulary = getattr(self, "_vocabulary", None)
+        if vocabulary is None:
+            stops = self.chat.stop_ids(self.tokenizer)
+            vocabulary = self._vocabulary = Vocabulary.of_tokenizer(self.tokenizer, rows=self.geometry.head_rows,
+                                                                    eos_ids=stops)
+        key = compact_key(tools)
+        cache = self.__dict__.setdefault("_constraints", {})
+        constraint = cache.get(key)
+        if constraint is None:
+            try:
+                constraint = Constraint(Automaton(grammar_of(tools)), vocabulary)
+            except GrammarError:
+                if constrained:  # asked for: the schema's problem is the caller's
+                    raise
+                return None  # the default: tools outside the schema subset run unconstrained
+            cache[key] = constraint
+        return constraint.matcher()
 
     def generate(self, prompt=None, **options) -> GenerationResult:
         """Run a whole request; returns text, ids, finish reason, timing and parsed tool calls."""
@@ -214,6 +257,12 @@ class Model:
             return session.all_logits(request[: session.context])
         finally:
             session.close()
+
+
+def compact_key(tools) -> str:
+    from .prompt import compact_tools_json
+
+    return compact_tools_json(tools)
 
 
 # generate's options: stream's keywords except ``result`` (generate returns its own).

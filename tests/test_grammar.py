@@ -255,3 +255,31 @@ def test_tokens_longer_than_the_remaining_room_are_refused():
     m.accept(1)
     m.accept(2)
     assert set(m.allowed_ids()) == {1, 4}  # one character left: "a" or the closing quote
+
+
+def test_a_token_budget_always_ends_inside_the_grammar():
+    """With the budget passed to the mask, the text ends (EOS) within it whenever it fits at all."""
+    rng = random.Random(99)
+    vocabulary = random_vocabulary(rng)
+    done = 0
+    for trial in range(150):
+        schema = random_schema(rng)
+        constraint = Constraint(automaton(schema), vocabulary)
+        matcher = constraint.matcher()
+        budget = constraint.automaton.finish(matcher.state) + 1 + rng.randint(0, 6)
+        model = RandomModel(trial, vocabulary.rows)
+        ids = []
+        for position in range(1, budget + 1):
+            left = budget - position + 1
+            assert matcher.fits(left)
+            mask = matcher.mask(left)
+            assert matcher.allowed_ids(left)
+            token = sample(model.logits(ids), 1.0, 0, 1.0, trial, position, mask=mask)
+            matcher.accept(token)
+            if token == 0:
+                break
+            ids.append(token)
+        assert matcher.ended, (schema, text_of(vocabulary, ids))
+        VALIDATOR(schema).validate(json.loads(text_of(vocabulary, ids)))
+        done += 1
+    assert done == 150

@@ -48,6 +48,11 @@ class Node:
     def canon(self, local, span: int):
         return local
 
+    def rest(self, local, sizes) -> int:
+        """The fewest bytes that finish this node from ``local`` (``sizes``: node -> fewest bytes
+        of its whole text, for the children it still calls)."""
+        return 0
+
 
 class Literal(Node):
     """Exactly one byte string."""
@@ -63,6 +68,9 @@ class Literal(Node):
 
     def reads(self, at):
         return at < len(self.text)
+
+    def rest(self, at, sizes):
+        return len(self.text) - at
 
 
 class Options(Node):
@@ -81,6 +89,9 @@ class Options(Node):
     def final(self, prefix):
         return prefix in self.options
 
+    def rest(self, prefix, sizes):
+        return min(len(o) - len(prefix) for o in self.options if o.startswith(prefix))
+
 
 class Sequence(Node):
     """Children one after another; local = the index of the next one."""
@@ -97,6 +108,9 @@ class Sequence(Node):
     def reads(self, i):
         return False
 
+    def rest(self, i, sizes):
+        return sum(sizes[c] for c in self.children[i:])
+
 
 class Choice(Node):
     """Any one of its children (anyOf / oneOf: the text of one branch)."""
@@ -112,6 +126,9 @@ class Choice(Node):
 
     def reads(self, local):
         return False
+
+    def rest(self, local, sizes):
+        return min(sizes[c] for c in self.children) if local == 0 else 0
 
 
 class FreeText(Node):
@@ -143,6 +160,9 @@ class FreeText(Node):
 
     def canon(self, local, span):
         return local[0], min(local[1], span + len(self.end) + 1)
+
+    def rest(self, local, sizes):
+        return len(self.end) - local[0]
 
 
 # UTF-8: a lead byte -> (continuation bytes, the allowed range of the first of them)
@@ -194,6 +214,13 @@ class String(Node):
 
     def final(self, local):
         return local == "end"
+
+    def rest(self, local, sizes):
+        if local is None:
+            return self.min_length + 2
+        if local == "end":
+            return 0
+        return local[0] + local[2] + local[5] + 1  # characters, pending bytes, an escape, the quote
 
     def canon(self, local, span):
         if local is None or local == "end":
@@ -293,6 +320,17 @@ class Number(Node):
         longer = text + bytes((byte,))
         return longer if self.feasible(longer) else None
 
+    def rest(self, text, sizes):
+        """Breadth first over the next bytes (numbers are short; a wide search is cut off at a
+        bound that is always enough: every digit allowed)."""
+        frontier, depth = [text], 0
+        while frontier and depth <= self.int_digits + self.frac_digits + 3:
+            if any(self.final(t) for t in frontier):
+                return depth
+            frontier = [n for t in frontier[:256] for b in b"0123456789-." for n in (self.step(t, b),) if n]
+            depth += 1
+        return self.int_digits + self.frac_digits + 3
+
     def final(self, text):
         body = text[1:] if text.startswith(b"-") else text
         if not body or body.endswith(b".") or body == b"0" and text.startswith(b"-"):
@@ -365,6 +403,35 @@ class JsonObject(Node):
     def final(self, local):
         return local[0] == "end"
 
+    def _required_rest(self, i, sizes):
+        """Bytes of the required properties from i on, each with its comma, and the "}"."""
+        return sum(len(self.keys[j]) + 2 + sizes[self.values[j]] for j in range(i, len(self.keys))
+                   if self.required[j]) + 1
+
+    def rest(self, local, sizes):
+        phase = local[0]
+        if phase == "end":
+            return 0
+        if phase == "open":
+            return 1 + max(self._required_rest(0, sizes) - 1, 1)
+        if phase == 1:
+            i = local[1]
+            if any(self.required[i:]):  # the required keys, values and commas between, then "}"
+                return self._required_rest(i, sizes) - 1
+            if local[2]:
+                return 1
+            return min(len(self.keys[j]) + 1 + sizes[self.values[j]] for j in self._candidates(i)) + 1
+        if phase == 2:
+            i, prefix = local[1], local[2]
+            return min(len(self.keys[j]) - len(prefix) + 1 + sizes[self.values[j]] + self._required_rest(j + 1, sizes)
+                       for j in self._candidates(i) if self.keys[j].startswith(prefix))
+        if phase == 3:
+            j = local[1]
+            return 1 + sizes[self.values[j]] + self._required_rest(j + 1, sizes)
+        if phase == 4:
+            return self._required_rest(local[1] + 1, sizes)  # after the value (the frame resumes at 5)
+        return self._required_rest(local[1], sizes)  # phase 5
+
 
 class JsonArray(Node):
     """``[item,...]`` with min_items .. max_items items. local: ("open",), (1, n) after "[",
@@ -400,6 +467,20 @@ class JsonArray(Node):
     def final(self, local):
         return local[0] == "end"
 
+    def rest(self, local, sizes):
+        phase, item = local[0], sizes[self.item]
+        if phase == "end":
+            return 0
+        if phase == "open":
+            return 2 + self.min_items * item + max(self.min_items - 1, 0)
+        n = local[1]
+        if phase == 1:
+            return 1 + self.min_items * item + max(self.min_items - 1, 0)
+        if phase == 2:
+            more = max(self.min_items - n, 0)
+            return 1 + more * (item + 1)
+        return max(self.min_items - n, 1) * (item + 1)  # phase 3: after a comma, inside the call
+
 
 class Automaton:
     """A compiled grammar: its nodes (the root is node 0) and the matcher states over them.
@@ -414,6 +495,22 @@ class Automaton:
         self._moves: dict = {}
         self.dead = self._intern(frozenset())
         self.initial = self._intern(self._expand_all([((0, nodes[0].start),)]))
+        # Fewest bytes of each node's text; a node's children come before it, the root (0) last.
+        self.sizes = [0] * len(nodes)
+        for index in list(range(1, len(nodes))) + [0]:
+            self.sizes[index] = nodes[index].rest(nodes[index].start, self.sizes)
+        self._finish: dict = {}
+
+    def finish(self, state: frozenset) -> int:
+        """The fewest bytes that complete the text from ``state`` (0 where it may end now)."""
+        known = self._finish.get(state)
+        if known is None:
+            best = None
+            for stack in state:
+                cost = sum(self.nodes[n].rest(local, self.sizes) for n, local in stack)
+                best = cost if best is None else min(best, cost)
+            known = self._finish[state] = (1 << 30) if best is None else best
+        return known
 
     def _intern(self, state: frozenset) -> frozenset:
         return self._interned.setdefault(state, state)

@@ -69,17 +69,34 @@ class Constraint:
     def matcher(self) -> "Matcher":
         return Matcher(self)
 
-    def allowed(self, state) -> tuple:
-        """(sorted allowed ids, their bitmask as bytes) for a state."""
-        key = self.automaton.canon(state, self.vocabulary.longest)
+    def allowed(self, state, budget: int | None = None) -> tuple:
+        """(sorted allowed ids, their bitmask as bytes) for a state; with ``budget`` (the ids
+        that may still be sampled, this one included), only ids after which the text can still
+        be finished, EOS included, within the budget (every byte is a token, so k bytes take at
+        most k ids). Far from the end of the budget no token can break that and the cached
+        mask serves; near it the masks are walked from the exact state."""
+        automaton = self.automaton
+        if budget is not None and budget - 1 < automaton.finish(state) + self._reach():
+            key = (state, budget)
+            entry = self._masks.get(key)
+            if entry is None:
+                entry = self._masks[key] = self._walk(state, budget)
+            return entry
+        key = automaton.canon(state, self.vocabulary.longest)
         entry = self._masks.get(key)
         if entry is None:
             entry = self._masks[key] = self._walk(key)
         return entry
 
-    def _walk(self, state) -> tuple:
+    def _reach(self) -> int:
+        """How much one token can raise the bytes still needed: each byte can enter nested
+        values, none needing more than the largest node's fewest bytes."""
+        return self.vocabulary.longest * (max(self.automaton.sizes) + 1) + 1
+
+    def _walk(self, state, budget: int | None = None) -> tuple:
         self.walks += 1
-        advance, children, ends = self.automaton.advance, self.vocabulary.children, self.vocabulary.ends
+        automaton = self.automaton
+        advance, children, ends = automaton.advance, self.vocabulary.children, self.vocabulary.ends
         ids = []
         todo = [(0, state)]
         while todo:
@@ -87,10 +104,11 @@ class Constraint:
             for byte, child in children[node].items():
                 after = advance(at, byte)
                 if after:
-                    ids.extend(ends[child])
+                    if ends[child] and (budget is None or automaton.finish(after) <= budget - 2):
+                        ids.extend(ends[child])
                     if children[child]:
                         todo.append((child, after))
-        if self.automaton.accepts(state):
+        if automaton.accepts(state) and (budget is None or budget >= 1):
             ids.extend(self.vocabulary.eos_ids)
         ids.sort()
         words = bytearray(4 * (-(-self.vocabulary.rows // 32)))
@@ -108,12 +126,17 @@ class Matcher:
         self.ended = False  # an EOS id was accepted
         self.text = bytearray()
 
-    def allowed_ids(self) -> tuple:
-        return () if self.ended else self.constraint.allowed(self.state)[0]
+    def allowed_ids(self, budget: int | None = None) -> tuple:
+        return () if self.ended else self.constraint.allowed(self.state, budget)[0]
 
-    def mask(self) -> bytes:
-        """The allowed ids as a bitmask: bit i of byte i // 8 (little-endian u32 words)."""
-        return self.constraint.allowed(self.state)[1]
+    def mask(self, budget: int | None = None) -> bytes:
+        """The allowed ids as a bitmask: bit i of byte i // 8 (little-endian u32 words).
+        ``budget``: the ids that may still be sampled, this one included (``Constraint.allowed``)."""
+        return self.constraint.allowed(self.state, budget)[1]
+
+    def fits(self, budget: int) -> bool:
+        """Whether the text can still be finished (EOS included) within ``budget`` ids."""
+        return self.constraint.automaton.finish(self.state) + 1 <= budget
 
     @property
     def accepting(self) -> bool:
