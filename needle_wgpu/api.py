@@ -142,7 +142,10 @@ class Model:
                 return
             started = time.perf_counter()
             masking = 0.0
-            next_id = session.prefill(request, sampling, mask=matcher.mask(budget) if matcher else None)
+            if matcher is None:
+                next_id = session.prefill(request, sampling)
+            else:
+                next_id = session.prefill(request, sampling, mask=matcher.mask(budget))
             first = time.perf_counter()
             out.time_to_first_token_s = first - started
             out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
@@ -167,11 +170,12 @@ class Model:
                     break
                 if produced >= budget or session.position >= session.context:
                     break
-                mask = None
-                if matcher is not None:
-                    started_mask = time.perf_counter()
-                    mask = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
-                    masking += time.perf_counter() - started_mask
+                if matcher is None:
+                    next_id = session.step(sampling)
+                    continue
+                started_mask = time.perf_counter()
+                mask = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
+                masking += time.perf_counter() - started_mask
                 next_id = session.step(sampling, mask=mask)
             if matcher is not None:
                 out.timings["mask_s"] = masking

@@ -91,7 +91,7 @@ class Constraint:
     def _reach(self) -> int:
         """How much one token can raise the bytes still needed: each byte can enter nested
         values, none needing more than the largest node's fewest bytes."""
-        return self.vocabulary.longest * (max(self.automaton.sizes) + 1) + 1
+        return self.vocabulary.longest * (max(self.automaton.sizes[1:], default=0) + 1) + 1  # the root is never entered
 
     def _walk(self, state, budget: int | None = None) -> tuple:
         self.walks += 1
