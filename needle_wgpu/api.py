@@ -123,8 +123,12 @@ class Model:
     # ------------------------------------------------------------------ generation
     def stream(self, prompt=None, *, query=None, tools=None, system=None, ids=None, max_tokens=256,
                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv="f32", context=None,
-               result: GenerationResult | None = None, should_stop=None):
+               constrained=None, result: GenerationResult | None = None, should_stop=None):
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end.
+
+        ``constrained`` (default: on for tool calls, where the family has an answer grammar):
+        every sampled id keeps the answer inside the grammar (tool names, schema-valid
+        arguments, ``[]`` allowed), the mask applied on the GPU before sampling.
 
         ``should_stop(done, total)`` (optional) is asked before each prefill chunk (prompt
         positions done, prompt length) and before each decode step (tokens produced, budget);
@@ -133,6 +137,7 @@ class Model:
         g = self.geometry
         instance_or_none(result, GenerationResult, "result")
         callback_or_none(should_stop, "should_stop")
+        matcher = self._matcher(tools, constrained, query is not None or tools is not None)
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
@@ -155,13 +160,16 @@ class Model:
             # prompt + completion <= context. A prompt that fills the context (or is longer),
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
             budget = clamp_budget(max_tokens, session.context - len(request))
-            if budget == 0:
-                out.finish_reason = "length"
+            if budget == 0 or matcher is not None and not matcher.fits(budget):
+                out.finish_reason = "length"  # constrained: no answer of the grammar fits the budget
                 return
             started = time.perf_counter()
-            # should_stop only when given: a family's session need not take it otherwise
-            stop_hook = {} if should_stop is None else {"should_stop": should_stop}
-            next_id = session.prefill(request, sampling, **stop_hook)
+            masking = 0.0
+            # should_stop and mask only when given: a family's session need not take them otherwise
+            extra = {} if should_stop is None else {"should_stop": should_stop}
+            if matcher is not None:
+                extra["mask"] = matcher.mask(budget)
+            next_id = session.prefill(request, sampling, **extra)
             if next_id is None:  # should_stop said so between chunks
                 out.finish_reason = "stopped"
                 return
@@ -173,6 +181,8 @@ class Model:
             produced = 0
             out.finish_reason = "length"
             while True:
+                if matcher is not None:
+                    matcher.accept(next_id)
                 if next_id in stops:
                     out.finish_reason = "eos"
                     break
@@ -190,7 +200,15 @@ class Model:
                 if should_stop is not None and should_stop(produced, budget):
                     out.finish_reason = "stopped"
                     break
-                next_id = session.step(sampling)
+                if matcher is None:
+                    next_id = session.step(sampling)
+                    continue
+                started_mask = time.perf_counter()
+                mask = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
+                masking += time.perf_counter() - started_mask
+                next_id = session.step(sampling, mask=mask)
+            if matcher is not None:
+                out.timings["mask_s"] = masking
             if decoder:
                 text += decoder.finish() if out.finish_reason != "stop" else ""
             elapsed = time.perf_counter() - first
@@ -205,6 +223,34 @@ class Model:
                 out.confidence = _probability(session.confidence_logit_so_far())
         finally:
             session.close()
+
+    def _matcher(self, tools, constrained, tool_request: bool):
+        """A grammar matcher for a constrained request, or None (vocabulary trie built once)."""
+        grammar_of = getattr(self.chat_format, "answer_grammar", None)
+        wanted = tool_request and grammar_of is not None if constrained is None else bool(constrained)
+        if not wanted:
+            return None
+        if grammar_of is None or not getattr(self.gpu, "supports_mask", True) or self.tokenizer is None:
+            raise UnsupportedModelError("this model family has no constrained tool-call decoding")
+        from .grammar import Automaton, Constraint, GrammarError, Vocabulary
+
+        vocabulary = getattr(self, "_vocabulary", None)
+        if vocabulary is None:
+            stops = self.chat_format.stop_ids(self.tokenizer)
+            vocabulary = self._vocabulary = Vocabulary.of_tokenizer(self.tokenizer, rows=self.geometry.head_rows,
+                                                                    eos_ids=stops)
+        key = compact_key(tools)
+        cache = self.__dict__.setdefault("_constraints", {})
+        constraint = cache.get(key)
+        if constraint is None:
+            try:
+                constraint = Constraint(Automaton(grammar_of(tools)), vocabulary)
+            except GrammarError:
+                if constrained:  # asked for: the schema's problem is the caller's
+                    raise
+                return None  # the default: tools outside the schema subset run unconstrained
+            cache[key] = constraint
+        return constraint.matcher()
 
     def generate(self, prompt=None, **options) -> GenerationResult:
         """Run a whole request; returns text, ids, finish reason, timing and parsed tool calls."""
@@ -311,6 +357,12 @@ def _servable_head(head) -> bool:
 def _probability(logit: float) -> float:
     """σ(logit), saturating: 0 for a NaN or very negative logit."""
     return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
+
+
+def compact_key(tools) -> str:
+    from .prompt import compact_tools_json
+
+    return compact_tools_json(tools)
 
 
 # generate's options: stream's keywords except ``result`` (generate returns its own).

@@ -261,3 +261,10 @@ class Needle3Chat:
     @staticmethod
     def parse(text) -> Completion:
         return parse_completion(text)
+
+    @staticmethod
+    def answer_grammar(tools) -> list:
+        """The grammar constrained tool calls follow (``grammar.tool_calls``)."""
+        from .grammar.tool_calls import tool_call_grammar
+
+        return tool_call_grammar(tools)

@@ -14,7 +14,8 @@
 // Writes the id into tokens[p + 1] (when p + 1 < context) and result = [id, flags, p + 1,
 // bits of the chosen logit]; flags: 1 = written to tokens, 2 = greedy, 4 = no finite logit.
 //
-// Constant: ITEMS = ceil(rows / 256) (at most 64: per-invocation weight sums stay below 2^32).
+// Constants: ITEMS = ceil(rows / 256) (at most 64: per-invocation weight sums stay below 2^32);
+// MASKED (bool): ids outside the bitmask `mask` read as -inf and are never the argmax.
 
 struct Params {
   rows: u32,
@@ -35,6 +36,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> logits: array<f32>;
 @group(0) @binding(3) var<storage, read_write> tokens: array<u32>;
 @group(0) @binding(4) var<storage, read_write> result: array<u32>;
+@group(0) @binding(5) var<storage, read> mask: array<u32>;  // MASKED: allowed ids (else one word, unread)
 
 const THREADS: u32 = 256u;
 
@@ -99,11 +101,16 @@ fn main(@builtin(local_invocation_index) lid: u32) {
   for (var e = 0u; e < ITEMS; e++) {
     let i = base + e;
     var k = 0u;
+    var may_win = false;
     if (i < rows) {
       k = order_key(logits[params.logits_offset + i]);
+      may_win = allowed(i);
+      if (!may_win) {
+        k = NEG_INF_KEY;
+      }
     }
     keys[e] = k;
-    if (k > best_key) {
+    if (may_win && k > best_key) {
       best_key = k;
       best_index = i;
     }

@@ -10,6 +10,15 @@ const FLAG_WRITTEN: u32 = 1u;
 const FLAG_GREEDY: u32 = 2u;
 const FLAG_NO_FINITE: u32 = 4u;
 
+// Constrained decoding (MASKED): bit i of mask word i / 32 allows id i. A disallowed id reads as
+// -inf, and the argmax looks at allowed ids only (reference/sampling.py).
+fn allowed(i: u32) -> bool {
+  if (MASKED) {
+    return ((mask[i >> 5u] >> (i & 31u)) & 1u) != 0u;
+  }
+  return true;
+}
+
 // Larger logit <=> larger key; NaN maps to the key of -inf.
 fn order_key(x: f32) -> u32 {
   let b = bitcast<u32>(x);

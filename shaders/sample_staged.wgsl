@@ -20,7 +20,8 @@
 // The plan holds only the passes its settings need (kernels/sample.py); each pass also checks
 // the settings itself, so a plan with all of them gives the same ids.
 //
-// Constant: ITEMS (logits per invocation, at most 128: per-invocation sums stay below 2^32).
+// Constants: ITEMS (logits per invocation, at most 128: per-invocation sums stay below 2^32);
+// MASKED (bool): ids outside the bitmask `mask` read as -inf and are never the argmax.
 
 struct Params {
   rows: u32,
@@ -48,6 +49,7 @@ struct Params {
 @group(0) @binding(4) var<uniform> chunk: Step;
 @group(0) @binding(5) var<storage, read_write> tokens: array<u32>;
 @group(0) @binding(6) var<storage, read_write> result: array<u32>;
+@group(0) @binding(7) var<storage, read> mask: array<u32>;  // MASKED: allowed ids (every entry reads it)
 
 const THREADS: u32 = 256u;
 const SLICE: u32 = THREADS * ITEMS;
@@ -95,6 +97,9 @@ fn flush_hist(lid: u32, at: u32) {
 }
 
 fn key_at(i: u32) -> u32 {
+  if (!allowed(i)) {
+    return NEG_INF_KEY;
+  }
   return order_key(logits[params.logits_offset + i]);
 }
 
@@ -150,7 +155,7 @@ fn reduce(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid:
     let i = base + e;
     if (i < params.rows) {
       let k = key_at(i);
-      if (k > best_key) {
+      if (allowed(i) && k > best_key) {
         best_key = k;
         best_index = i;
       }

@@ -355,7 +355,7 @@ class BrowserDevice(Device):
         self._guard("bind group")
         layout = pipeline.getBindGroupLayout(0)
         entries = [{"binding": i, "resource": {"buffer": b.buffer.handle, "offset": b.offset, "size": b.size}}
-                   for i, b in enumerate(bindings)]
+                   for i, b in enumerate(bindings) if b is not None]  # None: a binding the entry does not use
         try:
             return self._device.createBindGroup(self._object({"layout": layout, "entries": entries}))
         except Exception as exc:

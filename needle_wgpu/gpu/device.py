@@ -266,6 +266,9 @@ class Device:
     def bind_group(self, pipeline, bindings: list):
         resolved = []
         for b in bindings:
+            if b is None:  # a binding number the entry point does not use
+                resolved.append(None)
+                continue
             b = b if isinstance(b, Binding) else Binding(b)
             size = b.buffer.size - b.offset if b.size is None else b.size
             if size > self.limits.max_storage_binding:

@@ -115,7 +115,7 @@ class NativeDevice(Device):
     def _create_bind_group(self, pipeline, bindings):
         self._guard("bind group")
         entries = [{"binding": i, "resource": {"buffer": b.buffer.handle, "offset": b.offset, "size": b.size}}
-                   for i, b in enumerate(bindings)]
+                   for i, b in enumerate(bindings) if b is not None]  # None: a binding the entry does not use
         try:
             layout = pipeline.get_bind_group_layout(0)
             return self._device.create_bind_group(layout=layout, entries=entries)

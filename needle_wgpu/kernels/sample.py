@@ -86,9 +86,25 @@ def shared_scratch(device: Device, rows: int) -> SampleScratch:
     return scratch
 
 
+_no_mask: "weakref.WeakKeyDictionary[Device, Buffer]" = weakref.WeakKeyDictionary()
+
+
+def mask_bytes(rows: int) -> int:
+    """Size of the constrained-decoding bitmask of ``rows`` ids: one bit each, in u32 words."""
+    return 4 * (-(-rows // 32))
+
+
+def _unmasked(device: Device) -> Buffer:
+    """The one-word buffer an unmasked plan binds where a masked one binds its mask (never read)."""
+    buffer = _no_mask.get(device)
+    if buffer is None:
+        buffer = _no_mask[device] = device.buffer(16, label="sample_no_mask")
+    return buffer
+
+
 def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int, rows: int, tokens, result,
            context: int, positions: int, sampling: Sampling, variant: str | None = None,
-           scratch: SampleScratch | None = None) -> None:
+           scratch: SampleScratch | None = None, mask: Buffer | None = None) -> None:
     """Pick the next id from logits[logits_offset : logits_offset + rows] (the chunk's last row).
 
     The row is position p = pos0 + T - 1; the id goes into tokens[p + 1] when p + 1 < context,
@@ -103,6 +119,11 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     ``sample_staged.wgsl`` 0 params, 1 ``logits``, 2 ``state``, 3 ``weights`` (the passes after
     the top-k ones), 4 ``step``, 5 ``tokens``, 6 ``result`` (draw only); ceil(rows / 16384)
     workgroups per pass, one for the draw.
+
+    ``mask`` (constrained decoding): a buffer of ``mask_bytes(rows)`` bytes, bit i allowing id i;
+    disallowed ids read as -inf and are never the argmax (``reference.sampling.sample(mask=)``).
+    It is binding 5 of ``sample.wgsl`` and 7 of every ``sample_staged.wgsl`` pass; the caller
+    writes it before the submit, so the step stays one submit.
     """
     variant = variant or variant_for(rows)
     limit = ONE_WORKGROUP_ROWS if variant == ONE_WORKGROUP else MAX_ROWS
@@ -111,12 +132,15 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     greedy, scale, top_k, p_fixed = sampler_constants(sampling)
     words = (rows, logits_offset, positions, context, scale, top_k, p_fixed, int(sampling.seed) & U32_MAX,
              int(greedy))
+    masked = mask is not None
+    mask = mask if masked else _unmasked(plan.device)
     if variant == ONE_WORKGROUP:
-        key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)),) + exp_consts())
-        plan.add(key, [arena.add(*words), step, logits, tokens, result], (1,), label="sample")
+        key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)), ("MASKED", masked)) + exp_consts())
+        plan.add(key, [arena.add(*words), step, logits, tokens, result, mask], (1,), label="sample")
         return
     _staged(plan, arena, step, logits, tokens, result, words, scratch or shared_scratch(plan.device, rows),
-            use_top_k=not greedy and 0 < top_k < rows, use_top_p=not greedy and p_fixed < WEIGHT_ONE)
+            use_top_k=not greedy and 0 < top_k < rows, use_top_p=not greedy and p_fixed < WEIGHT_ONE,
+            mask=mask, masked=masked)
 
 
 # How many of sample_staged.wgsl's bindings each entry uses (auto layouts: exactly those).
@@ -124,7 +148,7 @@ _BINDINGS_USED = {"reduce": 3, "count_k": 3, "count_ties": 3, "weigh": 4, "sum_p
 
 
 def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_top_k, use_top_p,
-            every_pass=False):
+            every_pass=False, mask=None, masked=False):
     """The passes ``sample_staged.wgsl`` describes: only those the settings need, or (tests)
     ``every_pass``, since each pass also checks the settings itself."""
     rows, greedy = words[0], words[8]
@@ -133,11 +157,14 @@ def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_to
     groups = -(-rows // SLICE)
     params = [arena.add(*words, groups, digit, 0) for digit in range(4)]
     bindings = [None, logits, scratch.state, scratch.weights, step, tokens, result]
+    mask = mask if mask is not None else _unmasked(plan.device)
 
     def add(entry, digit=0, groups=groups):
-        key = KernelKey("sample_staged", entry=entry, consts=(("ITEMS", STAGED_ITEMS),) + exp_consts())
+        key = KernelKey("sample_staged", entry=entry,
+                        consts=(("ITEMS", STAGED_ITEMS), ("MASKED", masked)) + exp_consts())
         bindings[0] = params[digit]
-        plan.add(key, bindings[: _BINDINGS_USED[entry]], (groups,), label=f"sample.{entry}")
+        used = _BINDINGS_USED[entry]
+        plan.add(key, bindings[:used] + [None] * (7 - used) + [mask], (groups,), label=f"sample.{entry}")
 
     add("reduce")
     if every_pass or not greedy:

@@ -134,6 +134,8 @@ class Needle3Session(ChunkedSession):
     bind group is built once. Decode is one submit; its only readback is the sampled id.
     """
 
+    supports_mask = True  # the sampler reads self.mask when the plan key says so
+
     def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False, heads=()):
         g = model.geometry
         self.model = model
@@ -262,7 +264,7 @@ class Needle3Session(ChunkedSession):
         if sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
-                              positions=T, sampling=sample)
+                              positions=T, sampling=sample, mask=self.mask if key.mask else None)
         return plan
 
     def _build_probe_pool(self, plan: Plan, arena: UniformArena, T: int) -> None:

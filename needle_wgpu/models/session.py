@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ..errors import ContextFullError, InputError, NeedleError
+from ..errors import ContextFullError, InputError, NeedleError, UnsupportedModelError
 from ..gpu.device import Device, Plan
 from ..inputs import callback_or_none, checked_methods, id_list
 from ..sampling import Sampling, clamp_count, saturate_ids
@@ -24,6 +24,7 @@ class PlanKey:
     positions: int  # the chunk length T (1 for a decode step)
     sample: Sampling | None = None  # sample after the chunk's last position (values are baked in)
     all_logits: bool = False  # the head over every position of the chunk, not only the last
+    mask: bool = False  # the sampler reads the session's ``mask`` buffer (constrained decoding)
 
 
 def clamp_context(context, limit: int) -> int:
@@ -61,6 +62,7 @@ class ChunkedSession:
     chunk: int
     logit_rows: int
     rewindable: bool = False  # a family sets it where every layer's cache keeps each position
+    supports_mask = False  # a family whose plans pass ``self.mask`` to the sampler when key.mask
 
     def _open(self, device: Device, context, limit: int) -> None:
         self.device = device
@@ -71,6 +73,7 @@ class ChunkedSession:
         self.step_uniform = device.buffer(16, label="step", usage="uniform", kind="session")
         self.tokens = device.buffer(4 * (self.context + 1), label="tokens", kind="session")
         self.result = device.buffer(16, label="sampled", kind="session")
+        self.mask = None  # constrained decoding: the allowed-id bitmask, made at its first use
 
     def _build(self, key: PlanKey) -> Plan:
         """The family's forward of one chunk (``key.positions`` positions from pos0)."""
@@ -86,18 +89,34 @@ class ChunkedSession:
         if self._closed:
             raise NeedleError("this session is closed")
 
-    def _run_chunk(self, ids: list, sample: Sampling | None, all_logits: bool = False) -> None:
+    def _write_mask(self, mask) -> bool:
+        """Upload the allowed-id bitmask (one queue write, before the step's one submit)."""
+        if mask is None:
+            return False
+        if not self.supports_mask:
+            raise UnsupportedModelError("this model family's sampler takes no constrained-decoding mask")
+        size = 4 * (-(-self.logit_rows // 32))
+        if not isinstance(mask, (bytes, bytearray)) or len(mask) != size or not any(mask):
+            raise InputError(f"mask: expected {size} bytes allowing at least one id")
+        if self.mask is None:
+            self.mask = self.device.buffer(size, label="mask", kind="session")
+        self.device.write(self.mask, bytes(mask))
+        return True
+
+    def _run_chunk(self, ids: list, sample: Sampling | None, all_logits: bool = False, mask=None) -> None:
         T = len(ids)
         if self.position + T > self.context:
             raise ContextFullError(f"context of {self.context} positions is full")
         dev = self.device
+        masked = self._write_mask(mask)
         dev.write(self.tokens, struct.pack(f"<{T}I", *ids), 4 * self.position)
         dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
-        dev.run(self._plan(PlanKey(T, sample, all_logits)))
+        dev.run(self._plan(PlanKey(T, sample, all_logits, masked)))
         self.position += T
 
-    def prefill(self, ids: list, sampling: Sampling | None = None, should_stop=None):
-        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one.
+    def prefill(self, ids: list, sampling: Sampling | None = None, mask=None, should_stop=None):
+        """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one
+        (with ``mask``, a bitmask of ``ceil(logit_rows / 32)`` u32 words: only allowed ids).
 
         ``should_stop(done, total)``, if given, is called before each chunk with the positions
         prefilled so far and the prompt's length; a true answer ends the prefill there and
@@ -113,20 +132,22 @@ class ChunkedSession:
                 return None
             part = ids[start : start + self.chunk]
             last = start + self.chunk >= len(ids)
-            self._run_chunk(part, sampling if last else None)
+            self._run_chunk(part, sampling if last else None, mask=mask if last and sampling else None)
         if sampling is None:
             return None
         return self._read_sampled()
 
-    def step(self, sampling: Sampling) -> int:
-        """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next."""
+    def step(self, sampling: Sampling, mask=None) -> int:
+        """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next (with
+        ``mask``: among the allowed ids only; still one submit)."""
         self._check()
         sampling = session_sampling(sampling, self.logit_rows, required=True)
         if self.position >= self.context:
             raise ContextFullError(f"context of {self.context} positions is full")
         dev = self.device
+        masked = self._write_mask(mask)
         dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
-        dev.run(self._plan(PlanKey(1, sampling)))
+        dev.run(self._plan(PlanKey(1, sampling, mask=masked)))
         self.position += 1
         return self._read_sampled()
 

@@ -113,25 +113,39 @@ def weights(keys: np.ndarray, top_key: int, scale: float) -> np.ndarray:
     return np.where(inside, fixed_exp(z), U64(0)).astype(U64)
 
 
-def greedy(logits: np.ndarray) -> int:
-    """The largest logit, lowest index on ties; NaN counts as -inf; all -inf/NaN -> 0."""
+def greedy(logits: np.ndarray, mask=None) -> int:
+    """The largest logit, lowest index on ties; NaN counts as -inf; all -inf/NaN -> 0 (with a
+    mask: the lowest allowed id)."""
     keys = order_keys(logits)
+    if mask is not None:
+        keys = np.where(allowed_ids(mask, len(keys)), keys, np.uint32(0))
     return int(np.argmax(keys))  # argmax returns the first of equal maxima
 
 
-def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, position: int) -> int:
+def allowed_ids(mask, rows: int) -> np.ndarray:
+    """A mask (bitmask bytes, bit i of byte i // 8, or a bool array) as a bool array of ``rows``."""
+    if isinstance(mask, (bytes, bytearray, memoryview)):
+        bits = np.unpackbits(np.frombuffer(bytes(mask), np.uint8), bitorder="little")
+        return bits[:rows].astype(bool)
+    return np.asarray(mask, bool).reshape(-1)[:rows]
+
+
+def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, position: int, mask=None) -> int:
     """The id the GPU samplers pick for these logits and settings (module docstring).
 
     ``position`` is the absolute position of the token being drawn (the row's position + 1).
-    Settings are expected saturated (``needle_wgpu.sampling.Sampling``).
+    Settings are expected saturated (``needle_wgpu.sampling.Sampling``). ``mask``: the allowed
+    ids (``allowed_ids``), or None for all.
     """
     logits = np.asarray(logits, dtype=F32).reshape(-1)
     rows = len(logits)
     keys = order_keys(logits)
+    if mask is not None:
+        keys = np.where(allowed_ids(mask, rows), keys, np.uint32(NEG_INF_KEY)).astype(np.uint32)
     max_key = int(keys.max())
     settings_greedy, scale, top_k, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
     if settings_greedy or max_key in (NEG_INF_KEY, POS_INF_KEY):
-        return greedy(logits)
+        return greedy(logits, mask)
 
     # Steps 3 and 4: the K largest, ties by lowest index (a stable sort on the key).
     count = rows if top_k == 0 else min(top_k, rows)

@@ -370,3 +370,64 @@ def test_decode_step_is_one_submit_and_a_four_byte_read(sampler, device):
     after = (device.counters.submits, device.counters.bytes_read)
     assert (after[0] - before[0], after[1] - before[1]) == (1, 4)
     assert token == reference_id(x, s, 11)
+
+
+# ---------------------------------------------------------------------------------- masks
+
+
+def masked_plan(sampler, mask_buffer, s, variant):
+    T, rows = sampler.shape
+    sampler.arena.used = 0
+    plan = Plan(sampler.device, "sample")
+    sample_ops.sample(plan, sampler.arena, sampler.step, logits=sampler.logits, logits_offset=(T - 1) * rows,
+                      rows=rows, tokens=sampler.tokens, result=sampler.result, context=CONTEXT, positions=T,
+                      sampling=s, variant=variant, mask=mask_buffer)
+    return plan
+
+
+def masks_for(rows, rng):
+    """Dense, sparse, a single id, and the top half of the ids."""
+    yield rng.random(rows) < 0.7
+    yield rng.random(rows) < 0.01
+    one = np.zeros(rows, bool)
+    one[rng.integers(rows)] = True
+    yield one
+    yield np.arange(rows) >= rows // 2
+
+
+@pytest.mark.parametrize("variant,rows", [(ONE_WORKGROUP, 1000), (STAGED, 20000)])
+def test_masked_sampling_matches_the_reference(sampler, device, variant, rows):
+    """Constrained decoding: disallowed ids never come out, the id is the reference's, and the
+    mask is one queue write before the plan's one submit."""
+    rng = np.random.default_rng(rows)
+    mask_buffer = device.buffer(sample_ops.mask_bytes(rows), label="mask")
+    x = logits_of(rows, 21)
+    x[rng.integers(rows, size=20)] = -np.inf  # allowed -inf ids still beat disallowed ones
+    sampler.load(x)
+    settings = [Sampling(), Sampling(0.8, seed=3), Sampling(1.3, top_k=7, seed=5), Sampling(0.6, top_p=0.8, seed=9)]
+    for case, allowed in enumerate(masks_for(rows, rng)):
+        bits = np.packbits(allowed, bitorder="little").tobytes().ljust(sample_ops.mask_bytes(rows), b"\0")
+        for s in settings:
+            plan = masked_plan(sampler, mask_buffer, s, variant)
+            device.write(sampler.step, struct.pack("<4I", 10, 0, 0, 0))
+            submits = device.counters.submits
+            device.write(mask_buffer, bits)
+            device.run(plan)
+            assert device.counters.submits - submits == 1
+            got = SampleResult.parse(device.read(sampler.result, 16)).id
+            assert allowed[got], (case, s)
+            assert got == ref.sample(x, s.temperature, s.top_k, s.top_p, s.seed, 11, mask=bits), (case, s)
+
+
+def test_all_allowed_logits_minus_inf_gives_the_lowest_allowed_id(sampler, device):
+    rows = 600
+    x = np.full(rows, -np.inf, F32)
+    x[:100] = 5.0  # disallowed finite logits
+    sampler.load(x)
+    allowed = np.zeros(rows, bool)
+    allowed[[321, 450]] = True
+    mask_buffer = device.buffer(sample_ops.mask_bytes(rows), label="mask")
+    device.write(mask_buffer, np.packbits(allowed, bitorder="little").tobytes().ljust(sample_ops.mask_bytes(rows), b"\0"))
+    for variant in VARIANTS:
+        got = sampler.run(masked_plan(sampler, mask_buffer, Sampling(0.9, seed=1), variant))
+        assert got.id == 321 and ref.greedy(x, allowed) == 321

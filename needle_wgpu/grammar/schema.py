@@ -1,0 +1,193 @@
+"""A JSON-schema subset compiled to automaton nodes (automaton.py).
+
+Supported: ``type`` (one or a list), ``enum``, ``const``; objects with ``properties``,
+``required`` and ``additionalProperties`` (false or absent: only declared properties are written,
+in their declared order); strings with ``minLength``/``maxLength``; ``number``/``integer`` with
+``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``; ``boolean``; ``null``; arrays
+with ``items``, ``minItems``, ``maxItems``; ``anyOf``/``oneOf`` (oneOf compiles as anyOf: give it
+disjoint branches); nesting of all of these. Annotations (title, description, default, examples,
+$schema, $id, $comment) are ignored. An empty schema (or one without a type) is any scalar.
+Anything else raises ``GrammarError``, as does a schema no value satisfies.
+
+The text is compact JSON (no whitespace) and bounded, so every output ends: strings hold at most
+``Limits.string`` characters unless maxLength says fewer, arrays ``Limits.items`` items, numbers
+``Limits.int_digits`` digits before the point and ``Limits.frac_digits`` after it (no exponent).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .automaton import (Choice, GrammarError, JsonArray, JsonObject, Literal, Node, Number, Options,
+                        Sequence, String)
+
+ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment"))
+KEYWORDS = frozenset(("type", "enum", "const", "properties", "required", "additionalProperties", "minLength",
+                      "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items",
+                      "minItems", "maxItems", "anyOf", "oneOf")) | ANNOTATIONS
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds that keep every output finite where the schema sets none."""
+
+    string: int = 256
+    items: int = 16
+    int_digits: int = 12
+    frac_digits: int = 6
+
+
+def json_text(value) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _is_type(value, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"object": dict, "array": list, "string": str, "boolean": bool,
+                              "null": type(None)}[kind])
+
+
+def _count(schema: dict, name: str, default: int) -> int:
+    value = schema.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
+        raise GrammarError(f"schema: {name} must be a non-negative number, got {value!r}")
+    return int(min(value, 1 << 30)) if name.startswith("min") else int(value)
+
+
+class SchemaCompiler:
+    """Builds the node list of one grammar; ``add`` returns a node's index."""
+
+    def __init__(self, limits: Limits = Limits()):
+        self.limits = limits
+        self.nodes: list = []
+
+    def add(self, node: Node) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def reserve(self) -> int:
+        return self.add(Node())
+
+    def literal(self, text: bytes) -> int:
+        return self.add(Literal(text))
+
+    def schema(self, schema, depth: int = 0) -> int:
+        """The node of a value matching ``schema``."""
+        if depth > 32:
+            raise GrammarError("schema: nested deeper than 32 levels")
+        if schema is True or schema == {}:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarError(f"schema: expected an object, got {type(schema).__name__}")
+        unknown = sorted(set(schema) - KEYWORDS)
+        if unknown:
+            raise GrammarError(f"schema: unsupported keywords {unknown}")
+        kinds = schema.get("type", None)
+        kinds = list(TYPES[2:]) if kinds is None and not {"properties", "items"} & set(schema) else kinds
+        if kinds is None:
+            kinds = ["object"] if "properties" in schema else ["array"]
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+        if not kinds or any(k not in TYPES for k in kinds):
+            raise GrammarError(f"schema: unknown type {schema.get('type')!r}")
+        if "number" in kinds and "integer" in kinds:
+            kinds.remove("integer")  # every integer is a number
+        for word in ("anyOf", "oneOf"):
+            if word in schema:
+                branches = schema[word]
+                if not isinstance(branches, list) or not branches:
+                    raise GrammarError(f"schema: {word} must be a non-empty list")
+                rest = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
+                if set(rest) - ANNOTATIONS:
+                    raise GrammarError(f"schema: {word} next to other keywords is not supported")
+                return self._choice([self.schema(b, depth + 1) for b in branches])
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            if not isinstance(values, list):
+                raise GrammarError("schema: enum must be a list")
+            if "type" in schema:
+                values = [v for v in values if any(_is_type(v, k) for k in kinds)]
+            if not values:
+                raise GrammarError("schema: no enum value has the schema's type")
+            try:
+                return self.add(Options(json_text(v) for v in values))
+            except (TypeError, ValueError) as exc:
+                raise GrammarError(f"schema: enum value not JSON ({exc})") from None
+        return self._choice([self._typed(k, schema, depth) for k in kinds])
+
+    def _choice(self, children: list) -> int:
+        return children[0] if len(children) == 1 else self.add(Choice(children))
+
+    def _typed(self, kind: str, schema: dict, depth: int) -> int:
+        limits = self.limits
+        if kind == "null":
+            return self.literal(b"null")
+        if kind == "boolean":
+            return self.add(Options((b"true", b"false")))
+        if kind == "string":
+            low = _count(schema, "minLength", 0)
+            high = min(_count(schema, "maxLength", limits.string), max(limits.string, low))
+            if low > high:
+                raise GrammarError(f"schema: minLength {low} > maxLength {high}")
+            return self.add(String(low, high))
+        if kind in ("number", "integer"):
+            return self._number(kind == "integer", schema)
+        if kind == "array":
+            low = _count(schema, "minItems", 0)
+            high = min(_count(schema, "maxItems", limits.items), max(limits.items, low))
+            if low > high:
+                raise GrammarError(f"schema: minItems {low} > maxItems {high}")
+            item = self.schema(schema.get("items", {}), depth + 1) if high > 0 else self.literal(b"")
+            return self.add(JsonArray(item, low, high))
+        return self._object(schema, depth)
+
+    def _number(self, integer: bool, schema: dict) -> int:
+        bounds = {}
+        for name in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = schema.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise GrammarError(f"schema: {name} must be a number, got {value!r}")
+            if abs(value) == float("inf"):
+                continue
+            bounds[name] = value
+        low, exclusive_low = bounds.get("minimum"), False
+        if "exclusiveMinimum" in bounds and (low is None or bounds["exclusiveMinimum"] >= low):
+            low, exclusive_low = bounds["exclusiveMinimum"], True
+        high, exclusive_high = bounds.get("maximum"), False
+        if "exclusiveMaximum" in bounds and (high is None or bounds["exclusiveMaximum"] <= high):
+            high, exclusive_high = bounds["exclusiveMaximum"], True
+        node = Number(integer, low, high, exclusive_low, exclusive_high, self.limits.int_digits,
+                      self.limits.frac_digits)
+        if not node.feasible(b""):
+            raise GrammarError(f"schema: no {'integer' if integer else 'number'} in the bounds {bounds}")
+        return self.add(node)
+
+    def _object(self, schema: dict, depth: int) -> int:
+        properties = schema.get("properties", {})
+        required = schema.get("required", [])
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            raise GrammarError("schema: properties must be an object and required a list")
+        extra = schema.get("additionalProperties", False)
+        if extra not in (False, True, {}) and not isinstance(extra, dict):
+            raise GrammarError("schema: additionalProperties must be a boolean or a schema")
+        missing = [name for name in required if name not in properties]
+        if missing:
+            raise GrammarError(f"schema: required properties {missing} are not declared")
+        names = list(properties)
+        values = [self.schema(properties[n], depth + 1) for n in names]
+        keys = [json_text(str(n)) for n in names]
+        return self.add(JsonObject(keys, values, [n in required for n in names]))
+
+
+def compile_schema(schema, limits: Limits = Limits()) -> list:
+    """The nodes of a grammar whose texts are the JSON values matching ``schema`` (root: node 0)."""
+    compiler = SchemaCompiler(limits)
+    root = compiler.reserve()
+    compiler.nodes[root] = Sequence([compiler.schema(schema)])
+    return compiler.nodes

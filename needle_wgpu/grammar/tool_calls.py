@@ -1,0 +1,58 @@
+"""The grammar of a Needle 3 answer (spec §9): ``[<think>…</think>]<tool_call>[…]</tool_call>``,
+each call ``{"name":…,"arguments":…}`` with the name one of the tools' and the arguments matching
+that tool's ``parameters`` schema (schema.py's subset); ``[]`` (the model's refusal) is always
+allowed. Then only EOS (or the end-of-turn token) may follow.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .automaton import Choice, FreeText, GrammarError, JsonArray, Sequence
+from .schema import Limits, SchemaCompiler
+
+THINK_START, THINK_END = b"<think>", b"</think>"
+TOOL_CALL_START, TOOL_CALL_END = b"<tool_call>", b"</tool_call>"
+
+
+def tool_definitions(tools) -> list:
+    """(name, parameters schema) of each tool: ``{"name", "parameters"}`` or the OpenAI form
+    ``{"type": "function", "function": {...}}``; parameters default to an empty object."""
+    from ..prompt import compact_tools_json
+
+    out = []
+    for i, tool in enumerate(json.loads(compact_tools_json(tools))):
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            tool = tool["function"]
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise GrammarError(f"tools: tool {i} has no name")
+        parameters = tool.get("parameters", {"type": "object", "properties": {}})
+        out.append((tool["name"], parameters))
+    return out
+
+
+def tool_call_grammar(tools, limits: Limits = Limits(), think_bytes: int = 1024, max_calls: int = 8) -> list:
+    """The nodes of the answer grammar for ``tools`` (a JSON string or list, as the prompt takes).
+    ``think_bytes`` bounds the reasoning (markers included), ``max_calls`` the calls."""
+    compiler = SchemaCompiler(limits)
+    root = compiler.reserve()
+    calls = []
+    for name, parameters in tool_definitions(tools):
+        try:
+            calls.append(compiler.schema({"type": "object", "properties": {"name": {"const": name},
+                                                                           "arguments": parameters},
+                                          "required": ["name", "arguments"]}))
+        except GrammarError as exc:
+            raise GrammarError(f"tool {name!r}: {exc}") from None
+    if calls:
+        item = calls[0] if len(calls) == 1 else compiler.add(Choice(calls))
+        array = compiler.add(JsonArray(item, 0, max_calls))
+    else:
+        array = compiler.literal(b"[]")
+    think = compiler.add(Sequence([compiler.literal(THINK_START),
+                                   compiler.add(FreeText(THINK_END, max(think_bytes - len(THINK_START),
+                                                                        len(THINK_END))))]))
+    optional_think = compiler.add(Choice([think, compiler.literal(b"")]))
+    compiler.nodes[root] = Sequence([optional_think, compiler.literal(TOOL_CALL_START), array,
+                                     compiler.literal(TOOL_CALL_END)])
+    return compiler.nodes

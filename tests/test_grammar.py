@@ -1,0 +1,285 @@
+"""The constrained-decoding engine (needle_wgpu/grammar): schema compilation, masks, and 1,000
+random schemas x random vocabularies x random-logit models run through the reference sampler with
+the mask applied: every output parses and validates, every mask is non-empty, and greedy
+constrained output equals greedy unconstrained output whenever the latter already conforms."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import numpy as np
+import pytest
+
+from needle_wgpu.grammar import Automaton, Constraint, GrammarError, Limits, Vocabulary, compile_schema
+from needle_wgpu.reference.sampling import allowed_ids, sample
+
+VALIDATOR = jsonschema.Draft7Validator
+
+
+def automaton(schema, limits=Limits()):
+    return Automaton(compile_schema(schema, limits))
+
+
+# ----------------------------------------------------------------------------- compilation
+
+
+def test_objects_keep_declared_order_and_required():
+    a = automaton({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                   "required": ["b"], "additionalProperties": False})
+    assert a.matches(b'{"a":1,"b":true}')
+    assert a.matches(b'{"b":false}')
+    assert not a.matches(b'{"a":1}')  # b is required
+    assert not a.matches(b'{"b":true,"a":1}')  # declared order
+    assert not a.matches(b'{"b":true,"c":1}')  # no other properties
+    assert not a.matches(b'{"b":true,}')
+
+
+def test_strings_count_characters_and_escapes():
+    a = automaton({"type": "string", "minLength": 2, "maxLength": 3})
+    assert a.matches('"é\\n"'.encode()) and a.matches(b'"abc"')
+    assert not a.matches(b'"a"') and not a.matches(b'"abcd"')
+    assert not a.matches(b'"a\nb"')  # a raw control character
+    assert not a.matches(b'"\xc3"') and not a.matches(b'"\xed\xa0\x80"')  # invalid UTF-8, a surrogate
+    assert automaton({"type": "string", "enum": ["x", "y\"z", 3]}).matches(b'"y\\"z"')
+    assert automaton({"enum": ["x", 3]}).matches(b"3")
+    assert automaton({"const": {"k": [1, None]}}).matches(b'{"k":[1,null]}')
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    ({"type": "integer", "minimum": -5, "maximum": 120}, [b"-5", b"0", b"120", b"99"], [b"-6", b"121", b"-0", b"01", b"1.0"]),
+    ({"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 13}, [b"11", b"12"], [b"10", b"13"]),
+    ({"type": "number", "minimum": 0.1, "maximum": 0.25}, [b"0.1", b"0.25", b"0.2", b"0.100001"],
+     [b"0.09", b"0.250001", b"0.1000001", b".2", b"1e-1", b"0.3"]),
+    ({"type": "number", "exclusiveMaximum": 0}, [b"-0.5", b"-3"], [b"0", b"0.0", b"-0.0", b"1"]),
+])
+def test_number_bounds(schema, good, bad):
+    a = automaton(schema)
+    for text in good:
+        assert a.matches(text), text
+        VALIDATOR(schema).validate(json.loads(text))
+    for text in bad:
+        assert not a.matches(text), text
+
+
+def test_a_live_prefix_always_has_a_completion():
+    """Every prefix the number automaton keeps leads to a complete number in range."""
+    a = automaton({"type": "integer", "minimum": 37, "maximum": 41})
+    state = a.advance(a.initial, ord("3"))
+    assert state and not a.accepts(state)
+    assert not a.advance(state, ord("6")) and a.accepts(a.advance(state, ord("7")))
+    assert not a.advance(a.initial, ord("5"))  # 5 and 5x are all out of range
+
+
+def test_arrays_and_choices():
+    a = automaton({"type": "array", "items": {"anyOf": [{"type": "null"}, {"type": "integer", "maximum": 3}]},
+                   "minItems": 1, "maxItems": 2})
+    assert a.matches(b"[null]") and a.matches(b"[3,null]")
+    assert not a.matches(b"[]") and not a.matches(b"[1,2,3]") and not a.matches(b"[4]")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 5, "maxLength": 2}, {"type": "integer", "minimum": 3, "maximum": 2},
+    {"type": "integer", "minimum": 0.2, "maximum": 0.8}, {"enum": []}, {"type": "string", "pattern": "a+"},
+    {"type": "object", "properties": {}, "required": ["x"]}, {"type": "thing"}, "string",
+    {"type": "array", "minItems": 3, "maxItems": 1},
+])
+def test_unsatisfiable_or_unsupported_schemas_raise(schema):
+    with pytest.raises(GrammarError):
+        compile_schema(schema)
+
+
+def test_masks_are_cached_and_eos_only_where_accepting():
+    vocab = Vocabulary([b"<eos>", b"{", b"}", b'"', b"a", b"ab", b'"a"', b':', b'{"k":', b""] +
+                       [bytes((i,)) for i in range(256)], eos_ids=[0])
+    constraint = Constraint(automaton({"type": "object", "properties": {"k": {"type": "string", "maxLength": 40}},
+                                       "required": ["k"]}), vocab)
+    m = constraint.matcher()
+    assert 0 not in m.allowed_ids() and 9 not in m.allowed_ids()  # no EOS, no empty token
+    assert set(m.allowed_ids()) == {1, 8, 10 + ord("{")}
+    m.accept(8)
+    m.accept(3)
+    inside = m.allowed_ids()
+    walks = constraint.walks
+    for _ in range(20):
+        m.accept(4)  # "a": the string's counter moves, its mask (far from the limit) stays cached
+        assert m.allowed_ids() == inside
+    assert constraint.walks == walks
+    m.accept(3)
+    m.accept(2)
+    assert m.allowed_ids() == (0,) and m.accepting
+    with pytest.raises(GrammarError):
+        constraint.matcher().accept(2)
+
+
+# ----------------------------------------------------------------------------- random schemas
+
+WORDS = ["id", "name", "q", "é", 'a"b', "x y", "ünï", "k\\", "data", "n"]
+
+
+def random_schema(rng: random.Random, depth: int = 0, kind: str | None = None) -> dict:
+    kinds = ["string", "integer", "number", "boolean", "null", "enum", "const"]
+    if depth < 3:
+        kinds += ["object", "object", "array", "anyOf", "oneOf"]
+    kind = kind or rng.choice(kinds)
+    if kind == "string":
+        schema = {"type": "string"}
+        low = rng.choice([None, 0, 1, 3])
+        if low is not None:
+            schema["minLength"] = low
+        schema["maxLength"] = (low or 0) + rng.randint(0, 6)
+        return schema
+    if kind in ("integer", "number"):
+        schema = {"type": kind}
+        low = rng.choice([None, rng.randint(-1000, 1000), round(rng.uniform(-50, 50), rng.randint(0, 3))])
+        if low is not None:
+            schema[rng.choice(["minimum", "exclusiveMinimum"])] = low
+        if rng.random() < 0.7:
+            span = rng.choice([0, 1, 2, 5, 100, 1e5]) + (0 if kind == "integer" else rng.random())
+            high = (low if low is not None else rng.randint(-100, 100)) + span
+            name = "maximum" if span < 2 and kind == "integer" else rng.choice(["maximum", "exclusiveMaximum"])
+            schema[name] = high
+        if kind == "integer" and "minimum" not in schema and schema.get("exclusiveMinimum") is not None:
+            schema["exclusiveMinimum"] = int(schema["exclusiveMinimum"] // 1)
+        try:
+            compile_schema(schema)
+        except GrammarError:  # an empty range: widen it
+            schema = {"type": kind, "minimum": -3, "maximum": 3}
+        return schema
+    if kind in ("boolean", "null"):
+        return {"type": kind}
+    if kind == "enum":
+        return {"enum": rng.sample(["a", "ab", "b\"", 1, 12, 2.5, True, None, "é", [1], {"z": 0}], rng.randint(1, 4))}
+    if kind == "const":
+        return {"const": rng.choice(["on", 0, -7.25, False, None, ["x", 2]])}
+    if kind == "object":
+        names = rng.sample(WORDS, rng.randint(0, 4))
+        properties = {n: random_schema(rng, depth + 1) for n in names}
+        return {"type": "object", "properties": properties, "required": [n for n in names if rng.random() < 0.5],
+                "additionalProperties": False}
+    if kind == "array":
+        low = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": low,
+                "maxItems": low + rng.randint(0, 3)}
+    if kind == "anyOf":
+        return {"anyOf": [random_schema(rng, depth + 1) for _ in range(rng.randint(1, 3))]}
+    # oneOf: branches of disjoint types, so exactly one matches any value
+    kinds = rng.sample(["string", "boolean", "null", "array", "integer"], rng.randint(1, 3))
+    return {"oneOf": [random_schema(rng, depth + 1, k) for k in kinds]}
+
+
+PIECES = [b'{"', b'":', b'","', b'"}', b"},", b"],", b"[", b"]", b"null", b"true", b"false", b"12", b"-1",
+          b"0.", b"25", b'"a', b'ab"', b"\\n", b'\\"', "é".encode(), "ü".encode(), b"id", b"name", b'name":',
+          b'"x y":', b"  ", b",", b":", b"1,", b"0]", b'"}]']
+
+
+def random_vocabulary(rng: random.Random) -> Vocabulary:
+    """EOS (id 0), an empty control token, every single byte, JSON-ish pieces and random ones."""
+    pieces = [b"</s>", b""] + [bytes((i,)) for i in range(256)] + PIECES
+    alphabet = b'abxyz019-.,:{}[]" \\'
+    pieces += [bytes(rng.choice(alphabet) for _ in range(rng.randint(2, 5))) for _ in range(rng.randint(20, 120))]
+    order = list(range(2, len(pieces)))
+    rng.shuffle(order)
+    pieces = pieces[:2] + [pieces[i] for i in order]
+    return Vocabulary(pieces, eos_ids=[0])
+
+
+class RandomModel:
+    """Random logits that depend only on the prefix, optionally biased toward one target."""
+
+    def __init__(self, seed: int, rows: int, target=None, bonus: float = 0.0, scale: float = 3.0):
+        self.seed, self.rows, self.target, self.bonus, self.scale = seed, rows, target, bonus, scale
+
+    def logits(self, prefix: list) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, len(prefix)] + prefix[-3:])
+        logits = (rng.standard_normal(self.rows) * self.scale).astype(np.float32)
+        if self.target is not None and prefix == self.target[: len(prefix)] and len(prefix) < len(self.target):
+            logits[self.target[len(prefix)]] += self.bonus
+        return logits
+
+
+def decode(model, constraint, temperature=0.0, top_k=0, top_p=1.0, seed=0, limit=3000):
+    """Ids until EOS through the reference sampler; with a constraint, under its masks."""
+    matcher = constraint.matcher() if constraint is not None else None
+    ids = []
+    for position in range(1, limit):
+        mask = None
+        if matcher is not None:
+            assert matcher.allowed_ids(), "an empty mask"
+            mask = matcher.mask()
+            assert allowed_ids(mask, model.rows).sum() == len(matcher.allowed_ids())
+        token = sample(model.logits(ids), temperature, top_k, top_p, seed, position, mask=mask)
+        if matcher is not None:
+            matcher.accept(token)
+        if token == 0:
+            return ids, True
+        ids.append(token)
+    return (ids, False) if matcher is None else pytest.fail("a constrained output did not end")
+
+
+def text_of(vocab, ids) -> bytes:
+    return b"".join(vocab.token_bytes[i] for i in ids)
+
+
+SETTINGS = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 0.9), (1.0, 5, 1.0), (100.0, 0, 1.0), (0.4, 3, 0.5)]
+
+
+def test_random_schemas_always_parse_and_validate():
+    rng = random.Random(1234)
+    vocabularies = [random_vocabulary(rng) for _ in range(8)]
+    conforming = 0
+    for trial in range(1000):
+        schema = random_schema(rng)
+        vocab = vocabularies[trial % len(vocabularies)]
+        constraint = Constraint(automaton(schema), vocab)
+        temperature, top_k, top_p = SETTINGS[trial % len(SETTINGS)]
+        model = RandomModel(trial, vocab.rows)
+        ids, _ = decode(model, constraint, temperature, top_k, top_p, seed=trial)
+        text = text_of(vocab, ids)
+        VALIDATOR(schema).validate(json.loads(text.decode("utf-8")))
+
+        if trial % 2 == 0:  # greedy: a model that prefers a conforming text, with noise
+            target = ids + [0]
+            biased = RandomModel(trial + 7, vocab.rows, target, bonus=rng.choice([4.0, 7.0, 30.0]))
+            free, ended = decode(biased, None, limit=len(target) + 20)
+            if ended and constraint.automaton.matches(text_of(vocab, free)):
+                conforming += 1
+                assert decode(biased, constraint) == (free, True)
+    assert conforming >= 100  # the greedy comparison ran often enough to mean something
+
+
+def test_tokens_longer_than_the_remaining_room_are_refused():
+    vocab = Vocabulary([b"</s>", b'"', b"abcd", b"ab", b"a"], eos_ids=[0])
+    m = Constraint(automaton({"type": "string", "maxLength": 5}), vocab).matcher()
+    m.accept(1)
+    m.accept(2)
+    assert set(m.allowed_ids()) == {1, 4}  # one character left: "a" or the closing quote
+
+
+def test_a_token_budget_always_ends_inside_the_grammar():
+    """With the budget passed to the mask, the text ends (EOS) within it whenever it fits at all."""
+    rng = random.Random(99)
+    vocabulary = random_vocabulary(rng)
+    done = 0
+    for trial in range(150):
+        schema = random_schema(rng)
+        constraint = Constraint(automaton(schema), vocabulary)
+        matcher = constraint.matcher()
+        budget = constraint.automaton.finish(matcher.state) + 1 + rng.randint(0, 6)
+        model = RandomModel(trial, vocabulary.rows)
+        ids = []
+        for position in range(1, budget + 1):
+            left = budget - position + 1
+            assert matcher.fits(left)
+            mask = matcher.mask(left)
+            assert matcher.allowed_ids(left)
+            token = sample(model.logits(ids), 1.0, 0, 1.0, trial, position, mask=mask)
+            matcher.accept(token)
+            if token == 0:
+                break
+            ids.append(token)
+        assert matcher.ended, (schema, text_of(vocabulary, ids))
+        VALIDATOR(schema).validate(json.loads(text_of(vocabulary, ids)))
+        done += 1
+    assert done == 150
