@@ -36,14 +36,15 @@ class Thresholds:
 # Measured 2026-12-01 on lavapipe by
 #   python3 tools/verdict_sweep.py --shapes cpu                      (128 prompts per file)
 #   python3 tools/verdict_sweep.py --shapes gpu --limit 12 --no-smollm2
+#   python3 tools/verdict_sweep.py --shapes cpu --types "" --no-smollm2 --file gemma-3-270m-q4_k_m.gguf
 # (merged: docs/verdict_sweep.json; BENCHMARKS.md, "Verdict thresholds"): the 128-prompt battery
-# on SmolLM2-135M (Q4_1 matrices, Q8_0 head) and on synthetic llama files (d 256, 2 layers) with
+# on SmolLM2-135M (Q4_1 matrices, Q8_0 head), Gemma-3-270M (Q8_0, Q5_0, Q4_K, Q6_K) and on synthetic llama files (d 256, 2 layers) with
 # every matrix in one type, both kernel shapes of §8 (the GPU shape on its first 12 prompts).
 # No first-token flip was seen anywhere. Rule (RULE): MAXDIFF = 4 x the largest healthy
 # maxdiff; MARGIN = 2 x the largest healthy maxdiff (a flip needs the top two logits to move
 # apart by the margin, so one of them by at least half of it), or the largest flip margin seen
 # if larger; both rounded up to two significant digits, at least FLOOR. A type's numbers come
-# from every file that holds it (Q4_1 and Q8_0: SmolLM2 too).
+# from every file that holds it (Q4_1 and Q8_0: SmolLM2 too; Q8_0, Q5_0, Q4_K, Q6_K: Gemma).
 RULE = "maxdiff = 4 x max healthy maxdiff; margin = max(2 x max healthy maxdiff, max flip margin); 2 sig. digits up"
 FLOOR = 1e-6  # only where a sweep saw bit-identical logits everywhere
 THRESHOLDS: dict = {  # type: Thresholds(MAXDIFF, MARGIN)   # largest healthy maxdiff seen
@@ -53,11 +54,11 @@ THRESHOLDS: dict = {  # type: Thresholds(MAXDIFF, MARGIN)   # largest healthy ma
     "Q8_0": Thresholds(0.00055, 0.00028),  # 1.36e-04 (SmolLM2)
     "Q4_0": Thresholds(0.00028, 0.00014),  # 6.87e-05
     "Q4_1": Thresholds(0.00055, 0.00028),  # 1.36e-04 (SmolLM2)
-    "Q5_0": Thresholds(0.00033, 0.00017),  # 8.23e-05
+    "Q5_0": Thresholds(0.00048, 0.00024),  # 1.18e-04 (Gemma)
     "Q5_1": Thresholds(0.0003, 0.00015),   # 7.44e-05
-    "Q4_K": Thresholds(0.00037, 0.00019),  # 9.16e-05
+    "Q4_K": Thresholds(0.00048, 0.00024),  # 1.18e-04 (Gemma)
     "Q5_K": Thresholds(0.00037, 0.00019),  # 9.16e-05
-    "Q6_K": Thresholds(0.00038, 0.00019),  # 9.44e-05
+    "Q6_K": Thresholds(0.00048, 0.00024),  # 1.18e-04 (Gemma)
 }
 
 
