@@ -1,4 +1,4 @@
-"""The ``needle-wgpu`` command: generate, info, bench, synth.
+"""The ``needle-wgpu`` command: generate, info, bench, verdict, synth.
 
 It never prints a traceback: a ``NeedleError`` is one line on stderr and exit status 2, output
 that cannot be written (a full disk, a closed pipe) is handled, and text that the terminal's
@@ -180,6 +180,36 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_verdict(args) -> int:
+    """Spec dense-gguf §7 over a battery: one line per prompt, then a summary. Exit status 3
+    when any prompt is Structured (1 stays "output could not be written")."""
+    from . import verdict
+    from .sampling import clamp_count
+
+    prompts = verdict.read_battery(args.prompts)
+    prompts = prompts[: clamp_count(args.limit, 0, len(prompts), len(prompts))]
+    model = _load(Path(args.model), Progress(args.quiet))
+    types = verdict.quant_types(model)
+    thresholds = verdict.thresholds_for(types)
+    print(f"# {args.model}: types {', '.join(types)}; MAXDIFF {thresholds.maxdiff:g}, MARGIN {thresholds.margin:g}")
+    count = [0]
+
+    def report(result) -> None:
+        count[0] += 1
+        v = result.verdict
+        text = result.prompt if len(result.prompt) <= 48 else result.prompt[:45] + "..."
+        print(f"{count[0]:4d} {v.kind:<11} maxdiff {v.maxdiff:.3g} margin {v.margin:.3g} top {v.tokenwise_top}/"
+              f"{v.batched_top} tokens {result.tokens:3d} {json.dumps(text, ensure_ascii=False)}", flush=True)
+
+    results, seconds = verdict.timed_battery(model, prompts, thresholds, kv=args.kv, report=report)
+    s = verdict.summary(results)
+    c = s["counts"]
+    print(f"# {s['prompts']} prompts: {c[verdict.MATCH]} Match, {c[verdict.NEAR_TIE_FLIP]} NearTieFlip, "
+          f"{c[verdict.STRUCTURED]} Structured; max maxdiff {s['max_maxdiff']:.3g}; {s['flips']} first-token flips"
+          f" (max margin {s['max_flip_margin']:.3g}); {seconds:.1f} s")
+    return 3 if c[verdict.STRUCTURED] else 0
+
+
 def _check_writable(path) -> None:
     """Raise the OSError that writing ``path`` would raise, leaving no new file behind."""
     existed = os.path.lexists(path)
@@ -257,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a head to run (repeatable; default: every head the file has)")
     heads.add_argument("--quiet", action="store_true", help="no progress bar")
     heads.set_defaults(run=cmd_heads)
+
+    check = sub.add_parser("verdict", help="batched prefill vs token-by-token over a prompt battery (§7)")
+    check.add_argument("model", help=".gguf or .cact file")
+    check.add_argument("--prompts", help="battery file, one prompt per line (default: the shipped one)")
+    check.add_argument("--limit", type=float, default=None, help="run only the first N prompts")
+    check.add_argument("--kv", choices=("f32", "int8", "f16"), default="f32", help="KV cache mode")
+    check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.set_defaults(run=cmd_verdict)
 
     sub.add_parser("synth", help="write a seeded synthetic Needle 3 model (synth --help)")
     return parser

@@ -177,6 +177,23 @@ class ChunkedSession:
             out += [list(values[t * rows : (t + 1) * rows]) for t in range(len(part))]
         return out
 
+    def last_logits(self, ids: list, tokenwise: bool = False) -> list:
+        """The logits after the last of ``ids`` (run from the session's position), as floats.
+
+        Batched: the prefill's chunks (the GEMM path over up to ``chunk`` positions);
+        tokenwise: one position per plan (the decode step's GEMV path). Spec dense-gguf §7
+        compares the two (``needle_wgpu.verdict``). Nothing is sampled.
+        """
+        self._check()
+        ids = session_ids(ids)
+        if not ids:
+            raise InputError("last_logits needs at least one id")
+        length = 1 if tokenwise else self.chunk
+        for start in range(0, len(ids), length):
+            self._run_chunk(ids[start : start + length], None)
+        rows = self.logit_rows  # without all_logits the head wrote the last position's row first
+        return list(struct.unpack(f"<{rows}f", self.device.read(self.logits, 4 * rows)))
+
     def close(self) -> None:
         """Release the session's buffers (the device reclaims them when they are dropped)."""
         self._closed = True
