@@ -228,3 +228,22 @@ def without_double_bos(tokenizer, ids: list[int], add_special: bool) -> list[int
 def golden_ids(oracle: LlamaCppTokenizer, strings: list[str]) -> dict:
     return {mode: [oracle.tokenize(s, add_special=a, parse_special=p) for s in strings]
             for mode, (a, p) in MODES.items()}
+
+
+def committed_golden() -> dict:
+    """llama.cpp's ids of the corpus for both models (tests/data, made by tools/tokenizer_goldens.py)."""
+    return json.loads(GOLDEN.read_text(encoding="utf-8"))
+
+
+def checked_corpus() -> list[str]:
+    strings = corpus()
+    assert len(strings) >= 300
+    return strings
+
+
+def mismatches(tokenizer, strings, expected, mode) -> list:
+    """(string, llama.cpp's ids, ours) for every string whose ids differ in ``mode``."""
+    add_special, parse_special = MODES[mode]
+    return [(s, want, got) for s, want in zip(strings, expected)
+            if (got := tokenizer.encode(s, add_special=add_special, parse_special=parse_special))
+            != without_double_bos(tokenizer, want, add_special)]

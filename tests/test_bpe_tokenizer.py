@@ -2,7 +2,6 @@
 for each rule, then SmolLM2's real vocabulary against llama.cpp's ids (the committed goldens,
 and xllamacpp itself when it is installed)."""
 
-import json
 
 import pytest
 
@@ -292,23 +291,9 @@ def smollm2():
     return path, tokenizer_from_gguf(files.tokenizer_metadata(path))
 
 
-@pytest.fixture(scope="module")
-def golden():
-    return json.loads(files.GOLDEN.read_text(encoding="utf-8"))
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    strings = files.corpus()
-    assert len(strings) >= 300
-    return strings
-
-
-def mismatches(tokenizer, strings, expected, mode) -> list:
-    add_special, parse_special = files.MODES[mode]
-    return [(s, want, got) for s, want in zip(strings, expected)
-            if (got := tokenizer.encode(s, add_special=add_special, parse_special=parse_special))
-            != files.without_double_bos(tokenizer, want, add_special)]
+golden = pytest.fixture(scope="module")(files.committed_golden)
+corpus = pytest.fixture(scope="module")(files.checked_corpus)
+mismatches = files.mismatches
 
 
 def test_smollm2_tokenizer_facts(smollm2):
