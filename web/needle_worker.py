@@ -283,8 +283,10 @@ def generate(request_json: str) -> dict:
     if mode not in ("tools", "prompt", "chat"):
         raise InputError(f"unknown mode {mode!r} (expected 'tools', 'prompt' or 'chat')")
     if mode == "tools":
+        # The page shows the model's own answer for now (constrained=False); constrained tool
+        # calls, the engine's default elsewhere, come to the page with the agent view.
         inputs = {"query": _text(request, "query"), "tools": _text(request, "tools") or "[]",
-                  "system": _text(request, "system") or None}
+                  "system": _text(request, "system") or None, "constrained": bool(request.get("constrained"))}
     elif mode == "chat":
         inputs = {"prompt": chat_prompt(model, request.get("messages"))}
     else:

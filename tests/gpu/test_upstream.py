@@ -65,7 +65,7 @@ def test_generation_reports_confidence_from_its_own_forward(models):
     original = model.encode_request
     model.encode_request = lambda *a, **k: prompt  # the fixture's tokenizer cannot encode text (README)
     try:
-        result = model.generate(query="q", tools=[], max_tokens=6)
+        result = model.generate(query="q", tools=[], max_tokens=6, constrained=False)  # the score, not the grammar
     finally:
         model.encode_request = original
     assert result.confidence is not None and 0.0 < result.confidence < 1.0
