@@ -209,6 +209,8 @@ class DenseGpu:
 class DenseSession(ChunkedSession):
     """One conversation: f32 K/V caches and scratch rows for a fixed context, cached plans."""
 
+    supports_mask = True  # the sampler reads self.mask when the plan key says so
+
     def __init__(self, model: DenseGpu, context=None, kv="f32"):
         g = model.geometry
         self.model = model
@@ -300,7 +302,7 @@ class DenseSession(ChunkedSession):
         if key.sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
-                              positions=T, sampling=key.sample)
+                              positions=T, sampling=key.sample, mask=self.mask if key.mask else None)
         return plan
 
     def _dense_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, act: str, label: str) -> None:

@@ -159,3 +159,26 @@ def test_a_decode_step_is_one_submit_and_a_4_byte_readback(synthetic, device):
     layers = model.geometry.num_layers
     assert dispatches <= 9 * layers + 5, dispatches
     assert all(len(w["qkv"]) == 1 and len(w["gate_up"]) == 1 for w in model.gpu.layers)
+
+
+def test_a_mask_restricts_every_sampled_id(synthetic, device):
+    """Constrained decoding's bitmask on the dense sampler: with only a few ids allowed, every
+    id sampled (greedy or at a high temperature) is one of them; still one submit per step."""
+    model = needle_wgpu.load(str(synthetic["llama"]), device=device)
+    rows = model.geometry.head_rows
+    allowed = {3, 40, 41, 200}
+    words = [0] * (-(-rows // 32))
+    for i in allowed:
+        words[i // 32] |= 1 << (i % 32)
+    mask = b"".join(w.to_bytes(4, "little") for w in words)
+    for sampling in (Sampling.saturate(0.0), Sampling.saturate(2.0, seed=7)):
+        session = model.gpu.session(context=32)
+        try:
+            got = [session.prefill([1, 2, 3], sampling, mask=mask)]
+            c = device.counters
+            submits = c.submits
+            got += [session.step(sampling, mask=mask) for _ in range(8)]
+            assert c.submits - submits == 8
+        finally:
+            session.close()
+        assert set(got) <= allowed, got
