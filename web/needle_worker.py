@@ -20,6 +20,7 @@ import js
 from pyodide.ffi import run_sync
 
 from needle_wgpu.api import GenerationResult, Model
+from needle_wgpu.chat.template import render_chatml
 from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
 from needle_wgpu.families import FAMILIES
 from needle_wgpu.gpu.browser import create_browser_device
@@ -200,19 +201,6 @@ def session_context(model: Model) -> int:
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def render_chatml(messages: list) -> str:
-    """SmolLM2's chat template (ChatML): each turn as ``<|im_start|>{role}\n{content}<|im_end|>\n``,
-    then ``<|im_start|>assistant\n`` for the reply.
-
-    Interim: when the engine's chat templates land (``Model.chat(messages)`` rendering the
-    file's own jinja template), ``chat_prompt`` calls that instead and this function goes.
-    """
-    parts = []
-    for message in messages:
-        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
-
-
 def chat_prompt(model: Model, messages) -> str:
     """The prompt text of a conversation (a list of {role, content}); checked here, so the page
     can send whatever its form holds."""
@@ -226,6 +214,8 @@ def chat_prompt(model: Model, messages) -> str:
         checked.append({"role": message["role"], "content": "" if content is None else str(content)})
     if checked[-1]["role"] != "user" or not checked[-1]["content"].strip():
         raise InputError("the message is empty")
+    # ChatML (SmolLM2's template), rendered by the engine's built-in renderer. To do: hold a
+    # Model.conversation() per chat, so a turn prefills only its new tokens.
     text = render_chatml(checked)
     if len(text) > MAX_PROMPT_CHARS:
         raise InputError(f"the conversation is {len(text):,} characters long (at most {MAX_PROMPT_CHARS:,}): "
