@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 
 from . import unicode_ranges
-from .gguf_vocab import KEY, GgufTokenizer, _fail, _sequence
+from .gguf_vocab import KEY, GgufTokenizer, _fail, _sequence, merge_adjacent
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -167,20 +167,7 @@ class BpeTokenizer(GgufTokenizer):
             _TO_BYTE_CHARS)
         if self._ignore_merges and symbols_text in id_of:
             return (id_of[symbols_text],)
-        symbols = list(symbols_text)
-        pair_ranks = [ranks.get(a + " " + b, _NO_RANK) for a, b in zip(symbols, symbols[1:])]
-        while pair_ranks:
-            best = min(pair_ranks)
-            if best == _NO_RANK:
-                break
-            at = pair_ranks.index(best)  # the leftmost pair of the lowest rank
-            merged = symbols[at] + symbols[at + 1]
-            symbols[at : at + 2] = [merged]
-            del pair_ranks[at]
-            if at > 0:
-                pair_ranks[at - 1] = ranks.get(symbols[at - 1] + " " + merged, _NO_RANK)
-            if at < len(pair_ranks):
-                pair_ranks[at] = ranks.get(merged + " " + symbols[at + 1], _NO_RANK)
+        symbols = merge_adjacent(list(symbols_text), lambda a, b: ranks.get(a + " " + b, _NO_RANK), _NO_RANK)
         ids = []
         for symbol in symbols:
             token_id = id_of.get(symbol)

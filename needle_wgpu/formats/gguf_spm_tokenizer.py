@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from heapq import heappop, heappush
 
-from .gguf_vocab import GgufTokenizer, _flag, scores_of
+from .gguf_vocab import GgufTokenizer, _flag, merge_adjacent, scores_of
 
 SPACE = "\u2581"  # '▁', SentencePiece's visible space
 _BEFORE_SPACE = re.compile(SPACE)
@@ -120,20 +120,8 @@ class SpmTokenizer(GgufTokenizer):
             token_id = id_of.get(merged)
             return _NO_PAIR if token_id is None else scores[token_id]
 
-        pair_scores = [score(a + b) for a, b in zip(symbols, symbols[1:])]
-        while pair_scores:
-            best = max(pair_scores)
-            if best == _NO_PAIR:
-                break
-            at = pair_scores.index(best)  # the leftmost pair of the highest score
-            merged = symbols[at] + symbols[at + 1]
-            symbols[at : at + 2] = [merged]
-            del pair_scores[at]
-            if at > 0:
-                pair_scores[at - 1] = score(symbols[at - 1] + merged)
-            if at < len(pair_scores):
-                pair_scores[at] = score(merged + symbols[at + 1])
-        return symbols
+        # max score, leftmost on ties == min of minus the score, leftmost on ties
+        return merge_adjacent(symbols, lambda a, b: -score(a + b), -_NO_PAIR)
 
     def _merge_long(self, text: str) -> list[str]:
         """For long runs (CJK text has no spaces): a linked list of symbols and a heap of

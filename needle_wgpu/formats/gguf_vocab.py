@@ -367,6 +367,27 @@ class GgufTokenizer:
                              stop_strings=stop_strings)
 
 
+def merge_adjacent(symbols: list, value, stop) -> list:
+    """The merge loop of both tokenizers (dense spec §5.2, §5.3): while the best adjacent pair
+    merges, merge the leftmost best one. ``value(left, right)`` rates a pair, lower is better
+    (BPE: its merge rank; SPM: minus the merged token's score); ``stop`` is the value of a pair
+    that does not merge. ``symbols`` is merged in place and returned."""
+    values = [value(a, b) for a, b in zip(symbols, symbols[1:])]
+    while values:
+        best = min(values)
+        if best == stop:
+            break
+        at = values.index(best)  # the leftmost pair of the best value
+        merged = symbols[at] + symbols[at + 1]
+        symbols[at : at + 2] = [merged]
+        del values[at]
+        if at > 0:
+            values[at - 1] = value(symbols[at - 1], merged)
+        if at < len(values):
+            values[at] = value(merged, symbols[at + 1])
+    return symbols
+
+
 def scores_of(metadata: Mapping, n: int) -> array:
     """``tokenizer.ggml.scores`` as doubles (exact copies of the file's f32), 0 if absent."""
     scores = _sequence(metadata, "scores")
