@@ -226,6 +226,15 @@ def _path_of(args) -> Path:
     return Path(args.model) if args.model else default_model(lambda m: print(m, file=sys.stderr))
 
 
+def _sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The sampling options of generate and chat: read as floats, saturated as docs/api.md says."""
+    parser.add_argument("--max-tokens", type=float, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=float, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=float, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="needle-wgpu", description="WebGPU inference for Needle 3")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -235,11 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="free text prompt")
     gen.add_argument("--tools", help="tools JSON (tool-calling prompt)")
     gen.add_argument("--query", help="user query (tool-calling prompt)")
-    gen.add_argument("--max-tokens", type=float, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=float, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=float, default=0)
+    _sampling_options(gen, max_tokens=64)
     gen.add_argument("--kv", choices=("f32", "int8", "f16"), default="f32",
                      help="KV cache: f32, int8 (Needle 3) or f16 (dense GGUF models)")
     gen.add_argument("--context", type=float, default=None, help="context length (default: the model's "
@@ -254,11 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--message", action="append", help="a user message to answer (repeatable; no prompt loop)")
     chat.add_argument("--system", help="system message (default: the template's own, if any)")
     chat.add_argument("--tools", help="tools JSON, passed to the chat template")
-    chat.add_argument("--max-tokens", type=float, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--top-k", type=float, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=float, default=0)
+    _sampling_options(chat, max_tokens=256)
     chat.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache precision")
     chat.add_argument("--context", type=float, default=None, help="context length (default 4096 positions)")
     chat.add_argument("--json", action="store_true", help="with --message: print the turns as one JSON object")
