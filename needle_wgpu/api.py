@@ -230,27 +230,37 @@ class Model:
         wanted = tool_request and grammar_of is not None if constrained is None else bool(constrained)
         if not wanted:
             return None
-        if grammar_of is None or not getattr(self.gpu, "supports_mask", True) or self.tokenizer is None:
+        if grammar_of is None:
             raise UnsupportedModelError("this model family has no constrained tool-call decoding")
-        from .grammar import Automaton, Constraint, GrammarError, Vocabulary
+        from .grammar import GrammarError
 
-        vocabulary = getattr(self, "_vocabulary", None)
-        if vocabulary is None:
-            stops = self.chat_format.stop_ids(self.tokenizer)
-            vocabulary = self._vocabulary = Vocabulary.of_tokenizer(self.tokenizer, rows=self.geometry.head_rows,
-                                                                    eos_ids=stops)
-        key = compact_key(tools)
+        try:
+            constraint = self.constraint(compact_key(tools), lambda: grammar_of(tools))
+        except GrammarError:
+            if constrained:  # asked for: the schema's problem is the caller's
+                raise
+            return None  # the default: tools outside the schema subset run unconstrained
+        return constraint.matcher()
+
+    def constraint(self, key: str, nodes):
+        """The ``grammar.Constraint`` of a grammar over this model's vocabulary, built once per
+        ``key`` (``nodes()`` gives the grammar's automaton nodes, e.g. ``compile_schema``'s);
+        the vocabulary's byte trie is built once per model. Its ``matcher()`` drives one
+        generation (``Conversation.stream(constraint=...)``)."""
+        if not getattr(self.gpu, "supports_mask", True) or self.tokenizer is None:
+            raise UnsupportedModelError("this model cannot decode under a grammar (no mask support or tokenizer)")
+        from .grammar import Automaton, Constraint, Vocabulary
+
         cache = self.__dict__.setdefault("_constraints", {})
         constraint = cache.get(key)
         if constraint is None:
-            try:
-                constraint = Constraint(Automaton(grammar_of(tools)), vocabulary)
-            except GrammarError:
-                if constrained:  # asked for: the schema's problem is the caller's
-                    raise
-                return None  # the default: tools outside the schema subset run unconstrained
-            cache[key] = constraint
-        return constraint.matcher()
+            vocabulary = getattr(self, "_vocabulary", None)
+            if vocabulary is None:
+                stops = self.chat_format.stop_ids(self.tokenizer)
+                vocabulary = self._vocabulary = Vocabulary.of_tokenizer(self.tokenizer, rows=self.geometry.head_rows,
+                                                                        eos_ids=stops)
+            constraint = cache[key] = Constraint(Automaton(nodes()), vocabulary)
+        return constraint
 
     def generate(self, prompt=None, **options) -> GenerationResult:
         """Run a whole request; returns text, ids, finish reason, timing and parsed tool calls."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from .errors import ContextFullError, InputError, UnsupportedModelError
 from .chat.template import check_messages, check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
-from .inputs import as_text, checked_methods, optional_text, stop_strings
+from .grammar import Constraint
+from .inputs import as_text, checked_methods, instance_or_none, optional_text, stop_strings
 from .sampling import Sampling, clamp_budget
 
 MIN_REPLY_ROOM = 16  # positions a turn keeps free for the reply when max_tokens asks for more than fits
@@ -103,9 +104,13 @@ class Conversation:
         return self.messages[-1]
 
     def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
-               seed=0, stop=()):
+               seed=0, stop=(), constraint=None):
         """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
-        tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``."""
+        tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``.
+
+        ``constraint`` (a ``grammar.Constraint``, e.g. from ``Model.constraint``): every sampled
+        id keeps the reply inside its grammar, which must also end within the token budget
+        (the mask applied on the GPU before sampling; EOS only where the grammar accepts)."""
         model, tokenizer = self.model, self.model._need_tokenizer()
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows)
         stop_texts = stop_strings(stop)
@@ -118,7 +123,8 @@ class Conversation:
         self.turns.append(stats)
         reply = {"role": "assistant", "content": ""}
         try:
-            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply)
+            matcher = None if constraint is None else instance_or_none(constraint, Constraint, "constraint").matcher()
+            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher)
         except GeneratorExit:  # the caller stopped reading: the reply so far is the reply
             stats.notices.append("the stream was closed before the reply ended")
             self.messages.append(reply)
@@ -132,7 +138,7 @@ class Conversation:
             raise
         self.messages.append(reply)
 
-    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply):
+    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher=None):
         stops = self.model.chat_format.stop_ids(tokenizer)
         session = self._session()
         stats.context = session.context
@@ -141,16 +147,23 @@ class Conversation:
         stats.prompt_tokens = len(ids)
         session = self._prefix(ids, stats)
 
+        budget = clamp_budget(max_tokens, session.context - len(ids))
+        if matcher is not None and not matcher.fits(budget):
+            stats.finish_reason = "length"  # no reply of the grammar fits the budget: nothing runs
+            stats.notices.append(f"no reply of the grammar fits in {budget} tokens")
+            return
         started = time.perf_counter()
-        next_id = session.prefill(ids[stats.reused:], sampling)
+        mask = {} if matcher is None else {"mask": matcher.mask(budget)}
+        next_id = session.prefill(ids[stats.reused:], sampling, **mask)
         first = time.perf_counter()
         stats.prefill_s = first - started
         self.cached = list(ids)
-        budget = clamp_budget(max_tokens, session.context - len(ids))
         decoder = tokenizer.stream_decoder(at_text_start=False)
         holder = ToolCallHolder() if self.tools else None
         produced, finish = 0, "length"
         while budget > 0:
+            if matcher is not None:
+                matcher.accept(next_id)
             if next_id in stops:
                 finish = "stop"
                 break
@@ -168,7 +181,8 @@ class Conversation:
             if produced >= budget or session.position >= session.context:
                 break
             self.cached.append(next_id)  # step() feeds it: its keys join the cache
-            next_id = session.step(sampling)
+            mask = {} if matcher is None else {"mask": matcher.mask(budget - produced)}
+            next_id = session.step(sampling, **mask)
         if finish != "stop":
             tail = decoder.finish()
             reply["content"] += tail
