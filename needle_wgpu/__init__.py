@@ -3,6 +3,8 @@
 from .errors import (ContainerError, DeviceError, DeviceLimitError, DeviceLostError, InputError,
                      NeedleError, OutOfMemoryError, UnsupportedModelError)
 
+from .agent import Agent, AgentResult, Field, Tool, tool
+
 __version__ = "0.1.0"
 
 
@@ -22,4 +24,4 @@ def load(source=None, device=None, progress=None):
     return Model.load(source, device=device, progress=progress)
 
 __all__ = ["NeedleError", "ContainerError", "UnsupportedModelError", "InputError", "DeviceError",
-           "DeviceLostError", "OutOfMemoryError", "DeviceLimitError", "load", "__version__"]
+           "DeviceLostError", "OutOfMemoryError", "DeviceLimitError", "load", "Agent", "AgentResult", "Field", "Tool", "tool", "__version__"]

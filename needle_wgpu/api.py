@@ -226,6 +226,14 @@ class Model:
 
     def _matcher(self, tools, constrained, tool_request: bool):
         """A grammar matcher for a constrained request, or None (vocabulary trie built once)."""
+        constraint = self._answer_constraint(tools, constrained, tool_request)
+        return None if constraint is None else constraint.matcher()
+
+    def _answer_constraint(self, tools, constrained, tool_request: bool):
+        """The ``grammar.Constraint`` of the family's answer grammar for ``tools`` (built once
+        per tools JSON), or None where the request is not constrained: ``constrained`` None
+        means on for tool requests of a family with an answer grammar, off when the schemas
+        are outside the grammar's subset; True raises for either."""
         grammar_of = getattr(self.chat_format, "answer_grammar", None)
         wanted = tool_request and grammar_of is not None if constrained is None else bool(constrained)
         if not wanted:
@@ -235,12 +243,11 @@ class Model:
         from .grammar import GrammarError
 
         try:
-            constraint = self.constraint(compact_key(tools), lambda: grammar_of(tools))
+            return self.constraint(compact_key(tools), lambda: grammar_of(tools))
         except GrammarError:
             if constrained:  # asked for: the schema's problem is the caller's
                 raise
             return None  # the default: tools outside the schema subset run unconstrained
-        return constraint.matcher()
 
     def constraint(self, key: str, nodes):
         """The ``grammar.Constraint`` of a grammar over this model's vocabulary, built once per
@@ -273,12 +280,13 @@ class Model:
         return result
 
     # ------------------------------------------------------------------ conversations
-    def conversation(self, system=None, *, tools=None, context=None, kv="f32"):
+    def conversation(self, system=None, *, tools=None, context=None, kv="f32", confidence=False):
         """A ``conversation.Conversation``: messages rendered with the model's chat template
-        over one session whose KV cache is kept across turns."""
+        over one session whose KV cache is kept across turns (``confidence``: the session
+        runs the confidence head, ``Conversation.confidence()``)."""
         from .conversation import Conversation
 
-        return Conversation(self, system=system, tools=tools, context=context, kv=kv)
+        return Conversation(self, system=system, tools=tools, context=context, kv=kv, confidence=confidence)
 
     def chat(self, messages, tools=None, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=0,
              stop=(), kv="f32", context=None) -> dict:

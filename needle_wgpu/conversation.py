@@ -18,7 +18,7 @@ from .errors import ContextFullError, InputError, UnsupportedModelError
 from .chat.template import check_messages, check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
 from .grammar import Constraint
-from .inputs import as_text, checked_methods, instance_or_none, optional_text, stop_strings
+from .inputs import as_text, checked_methods, flag, instance_or_none, optional_text, stop_strings
 from .sampling import Sampling, clamp_budget
 
 MIN_REPLY_ROOM = 16  # positions a turn keeps free for the reply when max_tokens asks for more than fits
@@ -51,12 +51,18 @@ class Conversation:
     """Messages, tools and one session. ``send(text)`` runs a user turn and returns the
     assistant message; ``stream(text)`` yields its text pieces (tool-call blocks held back)."""
 
-    def __init__(self, model, *, system=None, tools=None, context=None, kv="f32"):
+    def __init__(self, model, *, system=None, tools=None, context=None, kv="f32", confidence=False):
         if not hasattr(model.chat_format, "render_ids"):
             raise UnsupportedModelError("this model family has no chat template: use generate()")
         self.model = model
         self.tools = check_tools(tools)
         self.kv, self.requested_context = kv, context
+        # The session runs the confidence head's pool alongside every turn (confidence()).
+        self.scores_confidence = flag(confidence, "confidence")
+        if self.scores_confidence and getattr(model.gpu, "confidence", None) is None:
+            raise UnsupportedModelError("this model has no confidence head")
+        # Formats that splice a reply's sampled ids back into the next rendering get them.
+        self.keeps_reply_ids = bool(getattr(model.chat_format, "renders_reply_ids", False))
         self.messages: list = []
         self.session = None
         self.cached: list = []  # the ids whose keys and values the session holds, in order
@@ -92,9 +98,21 @@ class Conversation:
 
     def _session(self):
         if self.session is None:
-            self.session = self.model.gpu.session(context=self.requested_context, kv=self.kv)
+            extra = {"confidence": True} if self.scores_confidence else {}
+            self.session = self.model.gpu.session(context=self.requested_context, kv=self.kv, **extra)
             self.cached = []
         return self.session
+
+    def confidence(self) -> float | None:
+        """σ of the confidence head over every position the session holds (the history and
+        the last reply: prompt + completion, §7); None before a turn or without
+        ``confidence=True``. A Needle 3 cache never rewinds (a changed history opens a new
+        session), so the pool holds exactly those positions."""
+        if not self.scores_confidence or self.session is None or self.session.position == 0:
+            return None
+        from .api import _probability
+
+        return _probability(self.session.confidence_logit_so_far())
 
     # ------------------------------------------------------------------ a turn
     def send(self, content=None, *, role="user", **options) -> dict:
@@ -122,6 +140,8 @@ class Conversation:
         stats = TurnStats()
         self.turns.append(stats)
         reply = {"role": "assistant", "content": ""}
+        if self.keeps_reply_ids:
+            reply["token_ids"] = []
         try:
             matcher = None if constraint is None else instance_or_none(constraint, Constraint, "constraint").matcher()
             yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher)
@@ -169,6 +189,8 @@ class Conversation:
                 break
             piece = decoder.push(next_id)
             reply["content"] += piece
+            if self.keeps_reply_ids:
+                reply["token_ids"].append(next_id)
             produced += 1
             stats.completion_tokens = produced
             shown = holder.push(piece) if holder else piece

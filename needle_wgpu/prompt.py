@@ -25,6 +25,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_START, THINK_END = "<think>", "</think>"
 TOOLS_START, TOOLS_END = "<tools>", "</tools>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESULT_START, TOOL_RESULT_END = "<tool_result>", "</tool_result>"
 EOS_TEXT = "</s>"
 
 
@@ -242,6 +243,53 @@ def _normalise_call(i: int, item, problems: list) -> dict | None:
 class Needle3Chat:
     """How the engine speaks to a Needle 3 model (the ``ChatFormat`` of ``api.Model``)."""
 
+    # Conversation records each reply's sampled ids on its message ("token_ids"): render_ids
+    # splices them back, so the next turn's ids start with exactly what the KV cache holds.
+    renders_reply_ids = True
+
+    def render_ids(self, tokenizer, messages, tools=None) -> list:
+        """Ids of a multi-turn conversation (``Conversation``; docs/api.md, "Needle 3 turns").
+
+        Turns, in order: a system message as §9's system part (stripped, left out when empty);
+        a user message as §9's user turn, ``<tools>…</tools>`` included; a run of tool messages
+        as one user turn holding ``<tool_result>{content}</tool_result>`` each (our template:
+        upstream's is UNKNOWN, §9.1); an assistant message as ``<|im_start|>assistant\n``, its
+        sampled ``token_ids`` (else its text, tool calls as ``<tool_call>[…]</tool_call>``),
+        then ``<|im_end|>\n``. The prompt ends ``<|im_start|>assistant\n`` unless the last
+        message is the assistant's. For [system,] user this is ``prompt_ids``, id for id.
+        """
+        tools_json = compact_tools_json(tools)
+        ids = [tokenizer.bos_id]
+        text = ""  # rendered text not yet encoded
+        spliced = False  # ids were spliced in: later text starts at a marker, without a dummy prefix
+        splice = tokenizer.im_end_id is not None
+        messages = list(messages)
+        for i, message in enumerate(messages):
+            role, content = message["role"], str(message.get("content") or "")
+            if role == "system":
+                system = content.strip()
+                text += f"{IM_START}system\n{system}{IM_END}\n" if system else ""
+            elif role == "user":
+                text += f"{IM_START}user\n{TOOLS_START}{tools_json}{TOOLS_END}\n{content}{IM_END}\n"
+            elif role == "tool":
+                opens = i == 0 or messages[i - 1]["role"] != "tool"
+                closes = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+                text += (f"{IM_START}user\n" if opens else "") + f"{TOOL_RESULT_START}{content}{TOOL_RESULT_END}" \
+                    + (f"{IM_END}\n" if closes else "")
+            else:  # assistant
+                text += f"{IM_START}assistant\n"
+                reply_ids = message.get("token_ids")
+                if reply_ids is not None and splice:
+                    ids += _encode_rendered(tokenizer, text, spliced)
+                    ids += [int(t) for t in reply_ids]
+                    text, spliced = "", True
+                else:
+                    text += content + _calls_text(message.get("tool_calls"))
+                text += f"{IM_END}\n"
+        if not messages or messages[-1]["role"] != "assistant":
+            text += f"{IM_START}assistant\n"
+        return ids + _encode_rendered(tokenizer, text, spliced)
+
     def request_ids(self, tokenizer, *, prompt=None, query=None, tools=None, system=None) -> list:
         """A tool-calling prompt when ``query`` or ``tools`` is given (§9), else BOS + free text."""
         if query is not None or tools is not None:
@@ -268,3 +316,31 @@ class Needle3Chat:
         from .grammar.tool_calls import tool_call_grammar
 
         return tool_call_grammar(tools)
+
+
+def _encode_rendered(tokenizer, text: str, continued: bool) -> list:
+    """The ids of rendered text. After spliced ids (``continued``) the text starts with
+    ``<|im_end|>``: the tokenizer splits at markers and encodes each segment alone, so its
+    ids from that marker on are the ids the whole text would have; the dummy prefix's ids
+    before it are dropped."""
+    if not text:
+        return []
+    ids = tokenizer.encode(text)
+    return ids[ids.index(tokenizer.im_end_id):] if continued else ids
+
+
+def _calls_text(calls) -> str:
+    """An assistant message's OpenAI-style ``tool_calls`` as the Needle 3 answer writes them."""
+    if not calls:
+        return ""
+    answer = []
+    for call in calls:
+        function = call.get("function", call)
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        answer.append({"name": function.get("name"), "arguments": arguments})
+    return TOOL_CALL_START + json.dumps(answer, separators=(",", ":"), ensure_ascii=False) + TOOL_CALL_END
