@@ -31,9 +31,11 @@ def tool_definitions(tools) -> list:
     return out
 
 
-def tool_call_grammar(tools, limits: Limits = Limits(), think_bytes: int = 1024, max_calls: int = 8) -> list:
+def tool_call_grammar(tools, limits: Limits = Limits(), think_bytes: int = 1024, max_calls: int = 8,
+                      min_calls: int = 0) -> list:
     """The nodes of the answer grammar for ``tools`` (a JSON string or list, as the prompt takes).
-    ``think_bytes`` bounds the reasoning (markers included), ``max_calls`` the calls."""
+    ``think_bytes`` bounds the reasoning (markers included), ``max_calls`` the calls;
+    ``min_calls`` > 0 takes the refusal ``[]`` away (it needs at least one tool)."""
     compiler = SchemaCompiler(limits)
     root = compiler.reserve()
     calls = []
@@ -46,7 +48,9 @@ def tool_call_grammar(tools, limits: Limits = Limits(), think_bytes: int = 1024,
             raise GrammarError(f"tool {name!r}: {exc}") from None
     if calls:
         item = calls[0] if len(calls) == 1 else compiler.add(Choice(calls))
-        array = compiler.add(JsonArray(item, 0, max_calls))
+        array = compiler.add(JsonArray(item, min(min_calls, max_calls), max_calls))
+    elif min_calls > 0:
+        raise GrammarError("tools: a call is required but there are no tools")
     else:
         array = compiler.literal(b"[]")
     think = compiler.add(Sequence([compiler.literal(THINK_START),
