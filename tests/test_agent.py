@@ -205,3 +205,18 @@ def test_a_family_without_an_answer_grammar_refuses_constrained():
     with pytest.raises(UnsupportedModelError):
         Agent(Model(gpu), tools=[add], constrained=True)
     assert Agent(Model(gpu), tools=[add]).constraint is None  # the default decodes freely
+
+
+def test_a_dense_model_runs_its_template_tool_calls():
+    """SmolLM2's template and Qwen-style ``<tool_call>`` blocks (no answer grammar: unconstrained)."""
+    from test_conversation import ScriptedGpu
+
+    gpu = ScriptedGpu(['<tool_call>\n{"name": "add", "arguments": {"a": 4}}\n</tool_call>', "It is 5."])
+    agent = Agent(Model(gpu), tools=[add])
+    assert agent.constraint is None
+    result = agent.run("add 4 and 1", max_tokens=64)
+    assert result.finish_reason == "answer" and result.steps == 1 and result.results == [5]
+    assert result.answer == "It is 5." and result.confidence is None
+    assert agent.conversation.messages[2] == {"role": "tool", "content": "[5]"}
+    one, two = (t["stats"] for t in result.turns)
+    assert two.reused > 0 and two.prefilled == two.prompt_tokens - two.reused
