@@ -228,7 +228,10 @@ class Tool:
         if description is not None and not isinstance(description, str):
             raise InputError(f"tool {self.name!r}: description must be text")
         self.description = summary if description is None else description
-        self.signature = inspect.signature(function)
+        try:
+            self.signature = inspect.signature(function)
+        except (TypeError, ValueError) as exc:  # a builtin without a signature
+            raise InputError(f"tool {self.name!r}: its signature cannot be read ({exc})") from None
         try:
             hints = typing.get_type_hints(function, include_extras=True)
         except Exception as exc:  # a forward reference that does not resolve

@@ -129,6 +129,8 @@ def test_bad_fields_and_misuse_are_input_errors():
         tool("weather")
     with pytest.raises(InputError, match="expected a function"):
         Tool(3)
+    with pytest.raises(InputError, match="signature cannot be read"):
+        Tool(max)  # a builtin without a signature
 
     def positional(a: int, /):
         pass
