@@ -220,3 +220,20 @@ def test_a_dense_model_runs_its_template_tool_calls():
     assert agent.conversation.messages[2] == {"role": "tool", "content": "[5]"}
     one, two = (t["stats"] for t in result.turns)
     assert two.reused > 0 and two.prefilled == two.prompt_tokens - two.reused
+
+
+def test_min_calls_takes_the_refusal_away():
+    from needle_wgpu.grammar import Automaton, GrammarError
+    from needle_wgpu.grammar.tool_calls import tool_call_grammar
+
+    def accepts(nodes, text: bytes) -> bool:
+        automaton = Automaton(nodes)
+        state = automaton.advance_bytes(automaton.initial, text)
+        return bool(state) and automaton.accepts(state)
+
+    one_call = b'<tool_call>[{"name":"add","arguments":{"a":1}}]</tool_call>'
+    assert accepts(tool_call_grammar([add.schema]), b"<tool_call>[]</tool_call>")
+    assert not accepts(tool_call_grammar([add.schema], min_calls=1), b"<tool_call>[]</tool_call>")
+    assert accepts(tool_call_grammar([add.schema], min_calls=1), one_call)
+    with pytest.raises(GrammarError):
+        tool_call_grammar([], min_calls=1)
