@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 
 from .errors import ContextFullError, InputError
-from .inputs import checked_methods, flag
+from .inputs import checked, checked_methods, flag
 from .sampling import clamp_count
 from .tools import Field, Tool, tool
 
@@ -65,6 +65,7 @@ class Agent:
     ``run`` continues the conversation (state in the KV cache) unless ``stateless``;
     ``reset()`` starts over."""
 
+    @checked  # an unknown keyword is an InputError, as for every public method
     def __init__(self, model, tools=(), *, system=None, max_steps=MAX_STEPS, constrained=None, stateless=False,
                  context=None, kv="f32"):
         from .api import Model, _servable_head

@@ -190,6 +190,8 @@ def test_bad_arguments_are_input_errors():
         Agent("not a model", tools=[add])
     with pytest.raises(InputError, match="unknown keyword"):
         Agent(model, tools=[add]).run("q", max_token=3)
+    with pytest.raises(InputError, match="unknown keyword"):
+        Agent(model, tools=[add], max_step=3)
     agent = Agent(model, tools=[add])
     assert agent.run("q", max_tokens=16).confidence is None  # no confidence head
     with pytest.raises(InputError):  # a schema outside the grammar's subset, constrained asked for
