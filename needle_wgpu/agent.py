@@ -47,10 +47,14 @@ class AgentResult:
     turns: list = field(default_factory=list)
 
     def __getitem__(self, key):  # result["function_calls"], as upstream's response dict reads
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
         return getattr(self, key)
 
     def as_dict(self) -> dict:
-        out = dataclasses.asdict(self)
+        """The fields as a dict (the values as they are: results are the tools' own objects),
+        each turn's stats as a dict."""
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
         out["turns"] = [dict(t, stats=t["stats"].as_dict()) for t in self.turns]
         return out
 

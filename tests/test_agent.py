@@ -126,6 +126,8 @@ def test_run_executes_feeds_results_and_reuses_the_cache():
     assert gpu.prefills == [one.prompt_tokens, two.prefilled] and len(gpu.sessions) == 1
     assert 0.5 < result.confidence < 1  # σ over the session's whole pool
     assert json.loads(json.dumps(result.as_dict()))["turns"][1]["stats"]["reused"] == two.reused
+    with pytest.raises(KeyError):
+        result["nope"]
 
 
 def test_a_model_that_calls_forever_stops_at_max_steps():
