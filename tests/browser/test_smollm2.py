@@ -122,13 +122,16 @@ def send(page, text: str, max_tokens: int) -> dict:
 
 
 def test_chat_keeps_its_kv_cache_across_turns(smollm2_page, desktop):
-    """Two turns through the chat form: turn 2 prefills only its own new tokens (the KV cache of
-    turn 1 and its reply is reused), replies and per-turn stats are those of a desktop
-    conversation; a new chat starts with an empty cache."""
+    """Two turns through the chat form (with a system prompt: a short one keeps SwiftShader's
+    prefill short): turn 2 prefills only its own new tokens (the KV cache of turn 1 and its reply
+    is reused), replies and per-turn stats are those of a desktop conversation; /reset drops
+    the conversation and its cache."""
     page = smollm2_page
     page.click("#tab-chat")
     page.click("#chat-reset")
+    page.fill("#chat-system", "Be brief.")
     native = desktop.conversation(context=4096)
+    native.set_system("Be brief.")
     history, turns = [], []
     try:
         for text in ("Hi!", "Thanks."):
@@ -171,3 +174,4 @@ def test_chat_keeps_its_kv_cache_across_turns(smollm2_page, desktop):
     assert page.text_content("#chat-stats") == "" and page.input_value("#chat-input") == ""
     page.wait_for_function("(before) => window.needle.chatResets > before", arg=resets)
     assert request(page, "info")["result"]["chat"] is None
+    page.fill("#chat-system", "")
