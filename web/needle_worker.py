@@ -389,7 +389,7 @@ def generate(request_json: str) -> dict:
         out["notice"] = "Stopped while reading the prompt: nothing was generated."
     elif out["constrained"] and result.finish_reason == "length" and not pieces:
         out["notice"] = (f"No answer of the tools' grammar fits in {effective['max_tokens']} tokens: "
-                         "raise Max tokens (the shortest answer, <tool_call>[]</tool_call>, takes about 26).")
+                         "raise Max tokens (even the empty answer <tool_call>[]</tool_call> takes some).")
     if mode == "tools":
         completion = model.chat_format.parse(text)
         if completion is not None:
@@ -417,7 +417,9 @@ def chat_turn(model: Model, request: dict) -> dict:
     started = time.perf_counter()
     first = None
     pieces = []
-    turn = lambda: conversation.turns[-1]  # noqa: E731 (the turn's stats, live during the stream)
+    def turn():  # the turn's stats: stream() appends them first, then updates them as it goes
+        return conversation.turns[-1]
+
     should_stop = StopCheck(State.device, sampled=lambda: turn().completion_tokens > 0)
     stream = conversation.stream(messages[-1]["content"], should_stop=should_stop, **knobs)
     try:
