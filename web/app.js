@@ -14,7 +14,8 @@ const ui = {
   deviceName: $("device-name"), bundled: $("bundled-select"), bundledNote: $("bundled-note"),
   modelError: $("model-error"), modelQueued: $("model-queued"), modelNote: $("model-note"),
   requestError: $("request-error"), requestNotice: $("request-notice"), runState: $("run-state"),
-  chatLog: $("chat-log"), chatInput: $("chat-input"), chatReset: $("chat-reset"),
+  chatLog: $("chat-log"), chatInput: $("chat-input"), chatReset: $("chat-reset"), chatSystem: $("chat-system"),
+  chatStats: $("chat-stats"), constrained: $("constrained"), confidence: $("confidence"),
 };
 
 let worker = null;
@@ -30,6 +31,7 @@ let queuedLoad = null;
 let droppedFile = null;
 let manifest = null;
 let chatHistory = [];    // [{role, content}] of the conversation shown in the chat log
+let chatId = 1;          // the worker keeps one conversation (and its KV cache) per chat id
 const busy = () => phase !== "idle";
 
 // ---------------------------------------------------------------------------- worker plumbing
@@ -279,7 +281,7 @@ async function loadModel(spec) {
     const seconds = (performance.now() - started) / 1000;
     ui.summary.textContent = `${m.name}: ${mb(m.bytes)}, ${m.layers} layers, d=${m.dModel}, vocab ${m.vocab}, ` +
       `context ${m.context}${m.fromCache ? " (from cache)" : ""} · ` +
-      `ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines`;
+      `ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines` + describeTemplate(m.chatTemplate);
     ui.deviceName.textContent = m.device.adapter;
     setStatus("ready", "Ready");
     const entry = spec.source === "default" ? bundledEntry(spec.file) : null;
@@ -295,6 +297,11 @@ async function loadModel(spec) {
   updateButtons();
   await runQueued();
   return reply;
+}
+
+function describeTemplate(t) {
+  if (!t) return "";
+  return t.kind === "jinja" ? " · chat template: the file's own" : ` · chat template: built-in ChatML (${t.note})`;
 }
 
 async function runQueued() {
@@ -419,8 +426,12 @@ function readRequest() {
     mode, temperature: value("temperature"), top_k: value("top-k"), top_p: value("top-p"),
     max_tokens: value("max-tokens"), seed: value("seed"),
   };
-  if (mode === "chat") return { ...base, messages: [...chatHistory, { role: "user", content: ui.chatInput.value }] };
-  return mode === "tools" ? { ...base, tools: value("tools-input"), query: value("query-input") }
+  if (mode === "chat") {
+    return { ...base, chat: chatId, system: ui.chatSystem.value,
+             messages: [...chatHistory, { role: "user", content: ui.chatInput.value }] };
+  }
+  return mode === "tools" ? { ...base, tools: value("tools-input"), query: value("query-input"),
+                              constrained: ui.constrained.checked }
                           : { ...base, prompt: value("prompt-input") };
 }
 
@@ -430,6 +441,7 @@ function formatStats(r) {
   if (r.decodeTokensPerSecond != null) parts.push(`${r.decodeTokensPerSecond.toFixed(1)} tokens/s`);
   parts.push(`${r.tokens} token${r.tokens === 1 ? "" : "s"}`);
   parts.push(`prompt ${r.promptTokens}`);
+  if (r.turn) parts.push(`prefilled ${r.turn.prefilled}, reused ${r.turn.reused}`);
   parts.push(`context ${r.contextUsed} / ${r.context}`);
   parts.push(`finish: ${r.finishReason}`);
   if (r.tokens && !r.text.trim()) parts.push("the output is only whitespace");
@@ -447,15 +459,35 @@ function chatBubble(role, text) {
   return li;
 }
 
+// What a chat turn cost: the ids it ran through the model and those the KV cache already held.
+function formatTurn(r) {
+  const t = r.turn;
+  let text = `Turn ${t.number}: prefilled ${t.prefilled} new token${t.prefilled === 1 ? "" : "s"}, ` +
+    `reused ${t.reused} from the cache · context ${r.contextUsed} / ${r.context}`;
+  if (t.rewound) text += " · the history changed: re-read from where it differs";
+  if (t.droppedMessages) text += ` · ${t.droppedMessages} oldest messages dropped`;
+  return text;
+}
+
 function resetChat() {
   chatHistory = [];
+  chatId += 1;  // the worker starts a new conversation (an empty cache) on the next turn
   ui.chatLog.replaceChildren();
+  ui.chatStats.textContent = "";
+  needle.chatId = chatId;
+  // Free the old conversation's KV cache now (requests run in order: never mid-generation).
+  if (worker && modelLoaded) request("chat_reset").then(() => { needle.chatResets += 1; });
 }
 
 ui.chatReset.addEventListener("click", resetChat);
 
 async function generate() {
   if (busy() || !modelLoaded) return;
+  if (mode === "chat" && ui.chatInput.value.trim() === "/reset") {  // as the chat command's /reset
+    resetChat();
+    ui.chatInput.value = "";
+    return { ok: true, reset: true };
+  }
   clearError();
   ui.requestNotice.hidden = true;
   phase = "generating";
@@ -475,6 +507,7 @@ async function generate() {
   ui.stats.textContent = "";
   ui.runState.textContent = "Reading the prompt…";
   ui.callsBlock.hidden = true;
+  ui.confidence.textContent = "";
   const reply = await request("generate", { request: payload });
   const bubble = streamTarget;
   streamTarget = null;
@@ -488,12 +521,14 @@ async function generate() {
     if (mode === "chat") {
       bubble.textContent = r.text;
       if (r.tokens) {
-        chatHistory.push({ role: "user", content: ui.chatInput.value }, { role: "assistant", content: r.text });
+        chatHistory.push({ role: "user", content: payload.messages.at(-1).content },
+                         { role: "assistant", content: r.text });
         ui.chatInput.value = "";
       } else {
         userBubble.remove();
         bubble.remove();
       }
+      ui.chatStats.textContent = formatTurn(r);
     } else {
       ui.output.textContent = r.text;
     }
@@ -503,7 +538,7 @@ async function generate() {
       ui.requestNotice.hidden = false;
       ui.requestNotice.scrollIntoView({ block: "nearest" });
     }
-    if (r.completion) showCompletion(r.completion);
+    if (r.completion) showCompletion(r.completion, r.confidence);
     setStatus("ready", "Ready");
   } else {
     if (userBubble) {
@@ -519,8 +554,10 @@ async function generate() {
   return reply;
 }
 
-function showCompletion(c) {
+function showCompletion(c, confidence) {
   ui.callsBlock.hidden = false;
+  // The confidence head's probability that the answer is right (Needle 3 files that have one).
+  ui.confidence.textContent = confidence == null ? "" : `confidence ${confidence.toFixed(3)}`;
   ui.calls.textContent = c.toolCalls === null ? "(no tool call could be read)" :
     c.abstained ? "[]  (the model chose not to call a tool)" : JSON.stringify(c.toolCalls, null, 2);
   ui.problems.replaceChildren();
@@ -548,7 +585,7 @@ ui.stop.addEventListener("click", () => {
 // For the browser tests and the console: the request channel and the last results.
 const needle = { request, generate, loadModel, errorText, bootSeconds: null, model: null, lastResult: null,
                  lastLoad: null, streamedTokens: 0, progressLog: [], loadRequests: 0, generations: 0,
-                 chatModel: null, onProgress: null, state: () => ({ phase, stopping, queued: Boolean(queuedLoad) }) };
+                 chatModel: null, chatId, chatResets: 0, onProgress: null, state: () => ({ phase, stopping, queued: Boolean(queuedLoad) }) };
 window.needle = needle;
 
 if (!navigator.gpu) {

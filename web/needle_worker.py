@@ -20,10 +20,11 @@ import js
 from pyodide.ffi import run_sync
 
 from needle_wgpu.api import GenerationResult, Model
-from needle_wgpu.chat.template import render_chatml
+from needle_wgpu.chat.template import check_messages
 from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
 from needle_wgpu.families import FAMILIES
 from needle_wgpu.gpu.browser import create_browser_device
+from needle_wgpu.grammar import GrammarError
 from needle_wgpu.sampling import Sampling, clamp_budget
 
 MAX_PROMPT_CHARS = 200_000  # far beyond any context; keeps a pasted novel from stalling the tokenizer
@@ -36,6 +37,8 @@ class State:
     model_name = ""
     summary = None
     loss_reported = False  # a lost device is reported once, then replaced on the next request
+    conversation = None  # the page's chat: one Model.conversation(), its KV cache kept across turns
+    chat_id = None       # the page's chat it belongs to (a new chat on the page, a new conversation)
 
 
 def emit(**event) -> None:
@@ -132,6 +135,7 @@ def _upload(data: bytes, name: str) -> dict:
     except NeedleError as exc:
         raise type(exc)(f"{name}: {exc}") from None
     parsed = time.perf_counter()
+    close_chat()  # its session lives in the old model's buffers
     State.model = None  # if this upload fails, the next request re-uploads the previous model
     device = State.device
     if device is None or device.lost_reason:
@@ -162,12 +166,25 @@ def _upload(data: bytes, name: str) -> dict:
     State.summary = {
         "name": name, "bytes": len(data), "layers": g.num_layers, "dModel": g.d_model, "vocab": g.vocab,
         "context": session_context(model), "maxContext": g.max_seq_len, "tokenizer": model.tokenizer is not None,
-        "family": model.describe().get("family", ""),
+        "family": model.describe().get("family", ""), "chatTemplate": _template_summary(model),
         "parseSeconds": round(parsed - started, 3), "uploadSeconds": round(uploaded - parsed, 3),
         "compileSeconds": round(compiled - uploaded, 3), "pipelines": device.pipeline_count,
         "device": _device_summary(device),
     }
     return State.summary
+
+
+def _template_summary(model: Model):
+    """How the chat renders: the file's own template (jinja) or the built-in ChatML, and why."""
+    template = getattr(model.chat_format, "template", None)
+    if template is None:
+        return None
+    try:
+        import jinja2
+        version = jinja2.__version__
+    except ImportError:
+        version = None
+    return {**template.describe(), "jinja2": version}
 
 
 @entry
@@ -201,26 +218,56 @@ def session_context(model: Model) -> int:
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def chat_prompt(model: Model, messages) -> str:
-    """The prompt text of a conversation (a list of {role, content}); checked here, so the page
-    can send whatever its form holds."""
+def chat_messages(messages) -> list:
+    """The page's conversation (a list of {role, content}, the new user message last), checked
+    here, so the page can send whatever its form holds."""
     if not isinstance(messages, list) or not messages:
         raise InputError("messages: the conversation is empty")
-    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise InputError(f"messages[{i}]: each message needs a role ({', '.join(CHAT_ROLES)}) and content")
-        content = message.get("content")
-        checked.append({"role": message["role"], "content": "" if content is None else str(content)})
+    checked = check_messages([{"role": m["role"], "content": m.get("content")} for m in messages])
     if checked[-1]["role"] != "user" or not checked[-1]["content"].strip():
         raise InputError("the message is empty")
-    # ChatML (SmolLM2's template), rendered by the engine's built-in renderer. To do: hold a
-    # Model.conversation() per chat, so a turn prefills only its new tokens.
-    text = render_chatml(checked)
-    if len(text) > MAX_PROMPT_CHARS:
-        raise InputError(f"the conversation is {len(text):,} characters long (at most {MAX_PROMPT_CHARS:,}): "
+    size = sum(len(m["content"]) for m in checked)
+    if size > MAX_PROMPT_CHARS:
+        raise InputError(f"the conversation is {size:,} characters long (at most {MAX_PROMPT_CHARS:,}): "
                          "start a new chat")
-    return text
+    return checked
+
+
+def close_chat() -> None:
+    if State.conversation is not None:
+        State.conversation.close()
+    State.conversation, State.chat_id = None, None
+
+
+def chat_conversation(model: Model, chat_id):
+    """The conversation of the page's chat ``chat_id``: kept while the page keeps the chat and
+    the model; a new chat (or a new model) starts a new one, with an empty cache."""
+    conversation = State.conversation
+    if conversation is None or conversation.model is not model or State.chat_id != chat_id:
+        close_chat()
+        conversation = model.conversation(context=session_context(model))
+        State.conversation, State.chat_id = conversation, chat_id
+    return conversation
+
+
+@entry
+def render_chat(request_json: str) -> dict:
+    """The prompt text the chat renders for ``messages`` (the model's template, or ChatML where
+    the file has none), without running the model."""
+    request = _request(request_json)
+    model = _ready_model()
+    template = getattr(model.chat_format, "template", None)
+    if template is None:
+        raise InputError("this model has no chat template (a Needle 3 file): use the tool-call form")
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InputError("messages: the conversation is empty")
+    text = template.render(messages, add_generation_prompt=bool(request.get("add_generation_prompt", True)))
+    return {"text": text, "kind": template.kind, "note": template.last_note or template.note,
+            "tokens": len(model.chat_format.text_ids(model.tokenizer, text))}
 
 
 # ---------------------------------------------------------------------------- generation
@@ -247,22 +294,33 @@ def stop_requested() -> bool:
 
 
 class StopCheck:
-    """``Model.stream``'s ``should_stop`` for the page. Until the first token it is called
-    between prefill chunks: it waits for the chunk just submitted (so the page's Stop message
-    gets through and the progress is true), reports progress and reads the Stop flag. Between
-    decode steps the token's readback has already waited: it only reads the flag."""
+    """``should_stop`` for the page (``Model.stream``, ``Conversation.stream``). Until the first
+    token it is called between prefill chunks: it waits for the chunk just submitted (so the
+    page's Stop message gets through and the progress is true), reports progress and reads the
+    Stop flag. Between decode steps the token's readback has already waited: it only reads the
+    flag. ``sampled`` (optional) says whether the first token has come (a chat turn's stats)."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, sampled=None):
+        self.device, self.sampled = device, sampled
         self.decoding = False  # set by generate() when the first token arrives
 
     def __call__(self, done: int, total: int) -> bool:
-        if not self.decoding:
+        if not (self.decoding or (self.sampled is not None and self.sampled())):
             if done:
                 self.device.check("prefill")
                 run_sync(js.needleYield())  # one macrotask turn: the worker reads the page's "stop"
             progress("prefill", f"Reading the prompt ({done:,} of {total:,} tokens)", done, total)
         return stop_requested()
+
+
+def _settings(model: Model, request: dict, context: int) -> tuple:
+    """The request's sampling knobs as given, and as the engine will use them (saturated)."""
+    knobs = {k: request.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
+    sampling = Sampling.saturate(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
+                                 vocab=model.geometry.head_rows)
+    effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context)}
+    return knobs, effective
 
 
 @entry
@@ -272,24 +330,21 @@ def generate(request_json: str) -> dict:
     mode = request.get("mode", "prompt")
     if mode not in ("tools", "prompt", "chat"):
         raise InputError(f"unknown mode {mode!r} (expected 'tools', 'prompt' or 'chat')")
+    if mode == "chat":
+        return chat_turn(model, request)
     if mode == "tools":
-        # The page shows the model's own answer for now (constrained=False); constrained tool
-        # calls, the engine's default elsewhere, come to the page with the agent view.
+        # Constrained by default (the engine's default for tool calls): every answer is a call
+        # list of the given tools, or [] (the model declining).
         inputs = {"query": _text(request, "query"), "tools": _text(request, "tools") or "[]",
-                  "system": _text(request, "system") or None, "constrained": bool(request.get("constrained"))}
-    elif mode == "chat":
-        inputs = {"prompt": chat_prompt(model, request.get("messages"))}
+                  "system": _text(request, "system") or None,
+                  "constrained": request.get("constrained") is not False}
     else:
         prompt = _text(request, "prompt")
         if not prompt.strip():
             raise InputError("the prompt is empty")
         inputs = {"prompt": prompt}
     context = session_context(model)
-    knobs = {k: request.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
-    sampling = Sampling.saturate(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
-                                 vocab=model.geometry.head_rows)
-    effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context)}
+    knobs, effective = _settings(model, request, context)
 
     result = GenerationResult("", [], "empty", 0)
     pieces, ids = [], []
@@ -305,6 +360,9 @@ def generate(request_json: str) -> dict:
             pieces.append(event.text)
             ids.append(event.id)
             emit(type="token", id=event.id, text=event.text, count=len(pieces))
+    except GrammarError as exc:  # raised before the first token: the tools' schemas
+        raise GrammarError(f"{exc} (constrained decoding takes a JSON-schema subset: untick "
+                           "'Constrain the answer' to run these tools unconstrained)") from None
     finally:
         stream.close()
     stopped = result.finish_reason == "stopped"
@@ -319,21 +377,80 @@ def generate(request_json: str) -> dict:
         "decodeTokensPerSecond": finite(decode_rate) if decode_rate is not None else None,
         "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 1),
         "clampedIds": result.clamped_ids, "settings": effective, "mode": mode, "notice": None,
+        "confidence": finite(result.confidence), "constrained": bool(inputs.get("constrained")),
     }
     if result.prompt_tokens >= context:
         out["notice"] = (f"The prompt is {result.prompt_tokens:,} tokens but the context holds {context:,}: "
                          f"nothing could be generated. Shorten it by at least "
-                         f"{result.prompt_tokens - context + 1:,} tokens" + (" or start a new chat." if mode == "chat"
-                                                                          else "."))
+                         f"{result.prompt_tokens - context + 1:,} tokens.")
     elif result.finish_reason == "length" and out["tokens"] == 0 and effective["max_tokens"] == 0:
         out["notice"] = "Max tokens is 0: nothing was generated."
     elif stopped and not pieces:
         out["notice"] = "Stopped while reading the prompt: nothing was generated."
+    elif out["constrained"] and result.finish_reason == "length" and not pieces:
+        out["notice"] = (f"No answer of the tools' grammar fits in {effective['max_tokens']} tokens: "
+                         "raise Max tokens (even the empty answer <tool_call>[]</tool_call> takes some).")
     if mode == "tools":
         completion = model.chat_format.parse(text)
         if completion is not None:
             out["completion"] = {"toolCalls": completion.tool_calls, "thinking": completion.thinking,
                                  "problems": completion.problems, "abstained": completion.abstained}
+    return out
+
+
+def chat_turn(model: Model, request: dict) -> dict:
+    """One turn of the page's chat over the chat's conversation: the page sends the whole
+    history (it is what the page shows), the conversation keeps the KV cache of what it already
+    ran, so the turn prefills only the ids after the longest common prefix."""
+    messages = chat_messages(request.get("messages"))
+    system = _text(request, "system").strip() or None
+    conversation = chat_conversation(model, request.get("chat"))
+    context = conversation.context
+    knobs, effective = _settings(model, request, context)
+    history = [m for m in messages[:-1] if m["role"] != "system"]
+    system = system or next((m["content"] for m in messages if m["role"] == "system"), None)
+    conversation.reset()  # the history as the page shows it; the cache stays for reuse
+    if system is not None:
+        conversation.set_system(system)
+    conversation.add(history)
+
+    started = time.perf_counter()
+    first = None
+    pieces = []
+    def turn():  # the turn's stats: stream() appends them first, then updates them as it goes
+        return conversation.turns[-1]
+
+    should_stop = StopCheck(State.device, sampled=lambda: turn().completion_tokens > 0)
+    stream = conversation.stream(messages[-1]["content"], should_stop=should_stop, **knobs)
+    try:
+        for piece in stream:
+            first = first or time.perf_counter()
+            pieces.append(piece)
+            emit(type="token", id=None, text=piece, count=turn().completion_tokens)
+    finally:
+        stream.close()
+    stats = turn()
+    kept = conversation.messages and conversation.messages[-1]["role"] == "assistant"
+    text = conversation.messages[-1]["content"] if kept and stats.completion_tokens else "".join(pieces)
+    out = {
+        "text": text, "tokens": stats.completion_tokens, "promptTokens": stats.prompt_tokens,
+        "context": stats.context or context, "contextUsed": stats.context_used,
+        "finishReason": stats.finish_reason,
+        "timeToFirstTokenSeconds": finite(first - started) if first is not None else None,
+        "decodeTokensPerSecond": finite(stats.decode_tokens_per_s) if stats.decode_tokens_per_s else None,
+        "prefillTokensPerSecond": finite(stats.prefilled / stats.prefill_s, 1) if stats.prefill_s > 0 else None,
+        "settings": effective, "mode": "chat", "notice": None,
+        "turn": {"number": len(conversation.turns), "prefilled": stats.prefilled, "reused": stats.reused,
+                 "rewound": stats.rewound, "newSession": stats.new_session,
+                 "droppedMessages": stats.dropped_messages, "notices": list(stats.notices),
+                 "template": conversation.model.chat_format.template.kind},
+    }
+    if stats.finish_reason == "stopped" and not stats.completion_tokens:
+        out["notice"] = "Stopped while reading the prompt: nothing was generated."
+    elif stats.finish_reason == "length" and not stats.completion_tokens and effective["max_tokens"] == 0:
+        out["notice"] = "Max tokens is 0: nothing was generated."
+    elif stats.notices:
+        out["notice"] = "; ".join(stats.notices).capitalize() + "."
     return out
 
 
@@ -378,6 +495,14 @@ def cq_matmul(js_bytes, tensor_name, js_x, positions) -> dict:
 
 
 @entry
+def chat_reset() -> dict:
+    """The page started a new chat: close the conversation now (its KV cache is freed)."""
+    had = State.conversation is not None
+    close_chat()
+    return {"closed": had}
+
+
+@entry
 def lose_device() -> dict:
     """Destroy the GPU device, as a driver reset would (tests the recovery path)."""
     if State.device is not None:
@@ -391,7 +516,17 @@ def info() -> dict:
     return {"device": _device_summary(device) if device is not None else None, "model": State.summary,
             "counters": vars(device.counters) if device is not None else None,
             # Which kernel shapes were compiled: q_matmul_rows / cq_matmul_rows on a CPU adapter (§8).
-            "kernels": sorted({key.family for key in device._pipelines}) if device is not None else []}
+            "kernels": sorted({key.family for key in device._pipelines}) if device is not None else [],
+            "chat": _chat_summary()}
+
+
+def _chat_summary():
+    conversation = State.conversation
+    if conversation is None:
+        return None
+    session = conversation.session
+    return {"id": State.chat_id, "turns": len(conversation.turns),
+            "contextUsed": session.position if session is not None else 0}
 
 
 @entry

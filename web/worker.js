@@ -54,10 +54,22 @@ async function boot() {
   });
   at = lap("pyodide", at);
   progress("boot", "Installing needle_wgpu");
+  // jinja2 and MarkupSafe (a model's own chat template) first, then the engine: all from this
+  // site, never a CDN. Without the template wheels the engine renders its built-in ChatML.
+  const installed = () => Object.keys(pyodide.loadedPackages).map((name) => name.toLowerCase().replace(/[-_]/g, ""));
+  const depProblems = [];
+  const deps = (manifest.deps || []).map((path) => new URL(path, import.meta.url).href);
+  if (deps.length) {
+    await pyodide.loadPackage(deps, { errorCallback: (m) => depProblems.push(m), messageCallback: () => {} });
+  }
+  for (const path of manifest.deps || []) {
+    const name = path.split("/").pop().split("-")[0].toLowerCase().replace(/[-_]/g, "");
+    if (!installed().includes(name)) console.warn(`needle worker: ${path} did not install: ${depProblems.join("; ")}`);
+  }
   const wheelURL = new URL(manifest.wheel, import.meta.url).href;
   const problems = [];
   await pyodide.loadPackage(wheelURL, { errorCallback: (m) => problems.push(m), messageCallback: () => {} });
-  if (!Object.keys(pyodide.loadedPackages).some((name) => name.replace(/[-_]/g, "") === "needlewgpu")) {
+  if (!installed().includes("needlewgpu")) {
     throw new Error(`could not install ${manifest.wheel}: ${problems.join("; ") || "unknown error"}`);
   }
   const glueSource = await (await fetch(new URL(`${manifest.glue}?b=${BUILD}`, import.meta.url))).text();
@@ -175,6 +187,9 @@ const handlers = {
     globalThis.needleStopRequested = false;
     return callPython("generate", JSON.stringify(msg.request || {}));
   },
+  async render_chat(msg) {
+    return callPython("render_chat", JSON.stringify({ messages: msg.messages || [] }));
+  },
   async logits(msg) {
     const result = await callPython("logits", JSON.stringify(msg.ids || []));
     return result;
@@ -186,6 +201,9 @@ const handlers = {
   },
   async bench(msg) {
     return callPython("bench", msg.prompt || 16, msg.decode || 8);
+  },
+  async chat_reset() {
+    return callPython("chat_reset");
   },
   async lose_device() {
     return callPython("lose_device");

@@ -7,6 +7,7 @@ runs the tiny model at about one token per second on a 2-core machine.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -16,6 +17,15 @@ from .pages import ARTIFACTS, BUNDLED, banner, ensure_bundled, fill_form, genera
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 SMALL_TOOLS = '[{"name":"off"}]'
+
+
+@functools.lru_cache(maxsize=1)
+def bundled_desktop():
+    """The bundled model on wgpu-py (lavapipe): what the browser's answers are compared with."""
+    import needle_wgpu
+    from needle_wgpu.gpu import open_device
+
+    return needle_wgpu.load(str(BUNDLED), device=open_device("native"))
 
 
 def test_boot_reports_device_and_model(app):
@@ -28,19 +38,30 @@ def test_boot_reports_device_and_model(app):
     assert banner(app) == ""
 
 
-def test_tool_form_streams_and_shows_parsed_calls(app):
+def test_tool_form_decodes_constrained_calls_and_shows_the_confidence(app):
+    """The form's default: constrained decoding. Even with random weights the answer is a call
+    list of the given tools (seed 5 makes it call one), scored by the confidence head; the ids,
+    the text and the confidence are the desktop's for the same request."""
     ensure_bundled(app)
-    reply = generate(app, mode="tools", tools=SMALL_TOOLS, query="Off", max_tokens=3)
+    assert app.is_checked("#constrained")  # the page's default
+    settings = {"temperature": 1, "top_k": 0, "top_p": 1, "seed": 5, "max_tokens": 60}
+    reply = generate(app, mode="tools", tools=SMALL_TOOLS, query="Off", **settings)
     assert reply["ok"], reply
     result = reply["result"]
-    assert result["tokens"] == 3 and len(result["ids"]) == 3 and result["finishReason"] == "length"
-    assert app.evaluate("() => window.needle.streamedTokens") == 3  # one event per token, before the reply
+    assert result["constrained"] and result["finishReason"] == "eos" and 0 < result["tokens"] < 60
+    assert app.evaluate("() => window.needle.streamedTokens") == result["tokens"]  # one event per token
     assert result["timeToFirstTokenSeconds"] > 0 and result["decodeTokensPerSecond"] > 0
     assert app.text_content("#output") == result["text"]
     assert "tokens/s" in app.text_content("#stats") and "first token" in app.text_content("#stats")
-    # Random weights make no tool call: the parser says so instead of failing.
-    assert result["completion"]["toolCalls"] is None and "no <tool_call> block" in result["completion"]["problems"]
-    assert app.is_visible("#calls-block")
+    calls = result["completion"]["toolCalls"]
+    assert isinstance(calls, list) and calls and all(c["name"] in {"off"} for c in calls)
+    assert result["completion"]["problems"] == []
+    assert json.loads(app.text_content("#calls")) == calls and app.is_visible("#calls-block")
+    assert 0 <= result["confidence"] <= 1
+    assert app.text_content("#confidence") == f"confidence {result['confidence']:.3f}"
+    native = bundled_desktop().generate(query="Off", tools=SMALL_TOOLS, constrained=True, **settings)
+    assert result["ids"] == native.ids and result["text"] == native.text
+    assert result["confidence"] == pytest.approx(native.confidence, abs=1e-3)
     ARTIFACTS.mkdir(exist_ok=True)
     app.screenshot(path=str(ARTIFACTS / "browser-desktop.png"), full_page=True)
     app.set_viewport_size({"width": 390, "height": 844})

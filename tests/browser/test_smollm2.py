@@ -3,16 +3,21 @@
 Browser parity: the logits of one short prompt at every position on Chromium's WebGPU
 (Dawn/SwiftShader, through Pyodide), on wgpu-py (lavapipe) and in the NumPy reference agree
 within the desktop gate (max|d| / RMS <= 1e-4, no argmax mismatch); greedy ids through the
-page's chat are those of wgpu-py for the same ChatML text. SwiftShader runs the 30 layers at
+page's chat are those of a wgpu-py conversation, turn by turn, and so are the ids each turn
+prefills and reuses (the page keeps the KV cache across turns); the chat prompt is SmolLM2's
+own template rendered by jinja2 in Pyodide. SwiftShader runs the 30 layers at
 a few seconds per token here, so the prompt is short and the budgets are a few tokens.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import numpy as np
 import pytest
 
 import needle_wgpu
+from needle_wgpu.chat.template import render_chatml
 from needle_wgpu.reference.dense import DenseReference
 
 from .pages import ARTIFACTS, SMOLLM2, ensure_bundled, fill_form, load_bundled, request
@@ -21,12 +26,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 GATE = 1e-4
 PROMPT = "The capital city of France is"  # 6 ids (SmolLM2 adds no BOS)
-
-
-def chatml(messages) -> str:
-    """SmolLM2's template (ChatML), written out here so the worker's rendering is checked."""
-    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return turns + "<|im_start|>assistant\n"
 
 
 def rel(got, want) -> float:
@@ -89,31 +88,90 @@ def test_logits_match_wgpu_py_and_the_reference(smollm2_page, desktop):
         assert (got.argmax(-1) == ref.argmax(-1)).all(), name
 
 
-def test_multi_turn_chat_streams_and_matches_wgpu_py(smollm2_page, desktop):
-    """Two turns through the chat form: the second request carries the first turn, and each
-    reply's greedy ids are wgpu-py's for the same conversation."""
+def test_the_page_renders_the_models_own_chat_template(smollm2_page, desktop):
+    """jinja2 and MarkupSafe load from the page's own wheels: the chat prompt is SmolLM2's
+    template's rendering (its default system turn included), as on the desktop."""
+    page = smollm2_page
+    template = page.evaluate("() => window.needle.model")["chatTemplate"]
+    assert template["kind"] == "jinja" and template["note"] is None
+    assert template["jinja2"] == importlib.metadata.version("jinja2")
+    assert "chat template: the file's own" in page.text_content("#model-summary")
+    conversations = ([{"role": "user", "content": "Hi!"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Thanks, é ✓"}])
+    for messages in conversations:
+        reply = request(page, "render_chat", {"messages": messages})
+        assert reply["ok"], reply
+        want = desktop.chat_format.template.render(messages)
+        assert reply["result"]["kind"] == "jinja" and reply["result"]["text"] == want
+        assert reply["result"]["tokens"] == len(desktop.chat_format.render_ids(desktop.tokenizer, messages))
+    # Not the engine's ChatML fallback: SmolLM2's template adds its own system turn.
+    first = request(page, "render_chat", {"messages": conversations[0]})["result"]["text"]
+    assert first != render_chatml(conversations[0]) and "named SmolLM" in first
+
+
+def send(page, text: str, max_tokens: int) -> dict:
+    fill_form(page, mode="chat", max_tokens=max_tokens)
+    page.fill("#chat-input", text)
+    page.evaluate("() => { window.needle.lastResult = null; }")
+    page.click("#generate-button")
+    page.wait_for_function("() => window.needle.lastResult !== null")
+    reply = page.evaluate("() => window.needle.lastResult")
+    assert reply["ok"], reply
+    return reply["result"]
+
+
+def test_chat_keeps_its_kv_cache_across_turns(smollm2_page, desktop):
+    """Two turns through the chat form (with a system prompt: a short one keeps SwiftShader's
+    prefill short): turn 2 prefills only its own new tokens (the KV cache of turn 1 and its reply
+    is reused), replies and per-turn stats are those of a desktop conversation; /reset drops
+    the conversation and its cache."""
     page = smollm2_page
     page.click("#tab-chat")
     page.click("#chat-reset")
-    history = []
-    for turn, text in enumerate(("Hi!", "Thanks.")):
-        fill_form(page, mode="chat", max_tokens=3)
-        page.fill("#chat-input", text)
-        page.evaluate("() => { window.needle.lastResult = null; }")
-        page.click("#generate-button")
-        assert page.text_content("#generate-button") == "Send"
-        page.wait_for_function("() => window.needle.lastResult !== null")
-        reply = page.evaluate("() => window.needle.lastResult")
-        assert reply["ok"], reply
-        result = reply["result"]
-        history.append({"role": "user", "content": text})
-        native = desktop.generate(prompt=chatml(history), max_tokens=3)
-        assert result["ids"] == native.ids and result["text"] == native.text, turn
-        assert result["promptTokens"] == len(desktop.encode_request(chatml(history)))
-        assert page.evaluate("() => window.needle.streamedTokens") == len(result["ids"])
-        history.append({"role": "assistant", "content": result["text"]})
-        bubbles = page.eval_on_selector_all("#chat-log li", "els => els.map(e => [e.dataset.role, e.textContent])")
-        assert bubbles == [[m["role"], m["content"]] for m in history]
-        assert page.input_value("#chat-input") == ""
+    page.fill("#chat-system", "Be brief.")
+    native = desktop.conversation(context=4096)
+    native.set_system("Be brief.")
+    history, turns = [], []
+    try:
+        for text in ("Hi!", "Thanks."):
+            result = send(page, text, max_tokens=2)
+            assert page.text_content("#generate-button") == "Send"
+            reply = native.send(text, max_tokens=2)
+            stats = native.turns[-1]
+            turn = result["turn"]
+            assert result["text"] == reply["content"] and result["tokens"] == stats.completion_tokens
+            assert 1 <= result["tokens"] <= 2 and result["finishReason"] == stats.finish_reason
+            assert (result["promptTokens"], turn["prefilled"], turn["reused"], result["contextUsed"]) == \
+                (stats.prompt_tokens, stats.prefilled, stats.reused, stats.context_used)
+            assert result["context"] == 4096 and turn["template"] == "jinja"
+            assert page.evaluate("() => window.needle.streamedTokens") == result["tokens"]
+            history += [{"role": "user", "content": text}, {"role": "assistant", "content": result["text"]}]
+            bubbles = page.eval_on_selector_all("#chat-log li", "els => els.map(e => [e.dataset.role, e.textContent])")
+            assert bubbles == [[m["role"], m["content"]] for m in history]
+            shown = page.text_content("#chat-stats")
+            assert f"prefilled {turn['prefilled']} new tokens, reused {turn['reused']}" in shown
+            assert f"context {result['contextUsed']} / 4096" in shown
+            turns.append(result)
+    finally:
+        native.close()
+    first, second = turns
+    assert first["turn"]["reused"] == 0 and first["turn"]["prefilled"] == first["promptTokens"]
+    # Turn 2 runs only what turn 1 did not: the reply's unfed last token, <|im_end|>, the new message.
+    assert not second["turn"]["rewound"] and second["turn"]["reused"] == first["contextUsed"]
+    assert second["turn"]["prefilled"] == second["promptTokens"] - first["contextUsed"]
+    assert second["turn"]["prefilled"] <= second["promptTokens"] - first["promptTokens"]
+    assert request(page, "info")["result"]["chat"] == {"id": page.evaluate("() => window.needle.chatId"),
+                                                       "turns": 2, "contextUsed": second["contextUsed"]}
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser-chat.png"), full_page=True)
+    # /reset (as New chat): the worker drops the conversation and frees its KV cache at once;
+    # the next turn starts a new one.
+    resets = page.evaluate("() => window.needle.chatResets")
+    page.fill("#chat-input", "/reset")
+    page.click("#generate-button")
+    assert page.eval_on_selector_all("#chat-log li", "els => els.length") == 0
+    assert page.text_content("#chat-stats") == "" and page.input_value("#chat-input") == ""
+    page.wait_for_function("(before) => window.needle.chatResets > before", arg=resets)
+    assert request(page, "info")["result"]["chat"] is None
+    page.fill("#chat-system", "")
