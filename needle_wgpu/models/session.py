@@ -44,7 +44,7 @@ def session_sampling(sampling, rows: int, required: bool) -> Sampling | None:
         return None
     if not isinstance(sampling, Sampling):
         raise InputError(f"sampling must be a Sampling (Sampling.saturate(...)), got {type(sampling).__name__}")
-    return Sampling.saturate(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, vocab=rows)
+    return sampling.for_vocab(rows)
 
 
 @checked_methods
