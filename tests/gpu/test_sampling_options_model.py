@@ -12,6 +12,7 @@ import needle_wgpu
 from needle_wgpu.logprobs import log_softmax
 from needle_wgpu.reference import sampling as ref
 from needle_wgpu.sampling import Sampling
+from needle_wgpu.synth import synthesize
 from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
 pytestmark = pytest.mark.gpu
@@ -26,6 +27,11 @@ def model(tmp_path_factory, device):
     path = write_dense_gguf(tmp_path_factory.mktemp("penalties") / "llama.gguf",
                             SynthDense(arch="llama", qtype="Q8_0", seed=3), tokenizer="bytes")
     return needle_wgpu.load(str(path), device=device)
+
+
+@pytest.fixture(scope="module")
+def needle3(device):
+    return needle_wgpu.load(synthesize("tiny", 0), device=device)
 
 
 def session_ids(model, s, steps=STEPS):
@@ -79,6 +85,13 @@ def test_session_equals_the_reference_loop(model, options):
     assert ids == reference_loop(model, s)[0]
     assert ids != session_ids(model, Sampling.saturate(options.get("temperature", 0.0), options.get("top_k", 0),
                                                        seed=options.get("seed", 0)))
+
+
+def test_needle3_sessions_take_the_options_too(needle3):
+    """The other family's plans go through the same ``kernels.sample.sample``."""
+    s = Sampling(0.8, seed=2, repetition_penalty=2.0, frequency_penalty=0.5, min_p=0.02, logit_bias={7: 3.0})
+    ids = session_ids(needle3, s, steps=10)
+    assert ids == reference_loop(needle3, s, steps=10)[0] != session_ids(needle3, Sampling(0.8, seed=2), steps=10)
 
 
 def test_generate_logprobs_are_the_processed_rows_log_softmax(model):
