@@ -152,7 +152,7 @@ def bias_token(key) -> int | None:
     decimal string (``"50256"``, as JSON object keys are); anything else -> None (ignored)."""
     if isinstance(key, str):
         text = key.strip()
-        whole = int(text) if text.isdigit() and len(text) <= 10 else None
+        whole = int(text) if text.isascii() and text.isdecimal() and len(text) <= 10 else None
     else:
         whole = whole_number(key)
     return whole if whole is not None and 0 <= whole <= U32_MAX else None

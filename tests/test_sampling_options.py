@@ -3,10 +3,13 @@ NumPy definition of the logits pass (reference/sampling.py steps 0a, 0b and 4b) 
 log-softmax (needle_wgpu/logprobs.py)."""
 
 import math
+from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from needle_wgpu.logprobs import log_softmax, row_values, saturate_top_logprobs, token_logprob
 from needle_wgpu.reference import sampling as ref
@@ -78,6 +81,29 @@ def test_logit_bias_is_bounded():
     assert len(s.logit_bias) == MAX_BIAS_ENTRIES and s.logit_bias[0][0] == 1  # the lowest ids
     assert s.logit_bias[-1][0] == MAX_BIAS_ENTRIES and s.processes_logits
     assert hash(s) == hash(Sampling(logit_bias=dict(reversed(list(huge.items())))))
+
+
+anything = st.one_of(
+    st.integers(), st.integers(-(2 ** 80), 2 ** 80), st.floats(), st.fractions(),
+    st.decimals(allow_nan=True, allow_infinity=True), st.complex_numbers(), st.text(max_size=12),
+    st.binary(max_size=8), st.none(), st.booleans(), st.lists(st.integers(), max_size=2), st.timedeltas(),
+    st.sampled_from([Decimal("1e999999999"), Decimal("-sNaN"), Fraction(10 ** 400), "1e400", "-inf", "nan", "²",
+                     "٣", " 42 ", object()]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(value=anything, bias=st.one_of(anything, st.dictionaries(anything.filter(lambda v: v.__hash__), anything,
+                                                                 max_size=6)))
+def test_every_option_takes_anything(value, bias):
+    """Never raises; every field in its documented range; always hashable (a plan key)."""
+    s = Sampling.saturate(1.0, min_p=value, repetition_penalty=value, presence_penalty=value,
+                          frequency_penalty=value, penalty_last_n=value, logit_bias=bias, vocab=512)
+    assert 0.0 <= s.min_p <= 1.0 and 0.01 <= s.repetition_penalty <= 100.0
+    assert -2.0 <= s.presence_penalty <= 2.0 and -2.0 <= s.frequency_penalty <= 2.0
+    assert s.penalty_last_n == WHOLE_CONTEXT or 0 <= s.penalty_last_n < 2 ** 31
+    assert all(type(t) is int and 0 <= t < 512 and -100.0 <= b <= 100.0 and b != 0 for t, b in s.logit_bias)
+    assert [t for t, _ in s.logit_bias] == sorted({t for t, _ in s.logit_bias})
+    assert hash(s) == hash(Sampling(**vars(s))) and 0 <= saturate_top_logprobs(value) <= 20
 
 
 def test_top_logprobs_saturates():
