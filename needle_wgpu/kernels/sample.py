@@ -140,8 +140,7 @@ def process_logits(plan: Plan, arena: UniformArena, step, *, logits, logits_offs
         return
     device = plan.device
     if pairs:
-        data = struct.pack(f"<{2 * len(pairs)}I", *(w for token, value in pairs
-                                                     for w in (token, struct.unpack("<I", struct.pack("<f", value))[0])))
+        data = b"".join(struct.pack("<If", token, value) for token, value in pairs)  # values are float32 already
         bias = device.buffer(len(data), label="logit_bias", data=data)
     else:
         bias = _unmasked(device)
