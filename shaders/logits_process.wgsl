@@ -21,6 +21,7 @@ struct Params {
   scale_negative: f32,  // repetition_penalty: the others are multiplied by it
   presence: f32,
   frequency: f32,
+  zero: u32,            // always 0, unknown to the compiler: see `rounded`
 }
 
 //#include step.wgsl
@@ -33,6 +34,13 @@ struct Params {
 @group(0) @binding(5) var<storage, read> bias: array<u32>;  // pairs (id, bits of the bias)
 
 const NONE: u32 = 0xFFFFFFFFu;
+
+// A product rounded to float32 on its own, as the reference computes it: passed through a runtime
+// zero the compiler cannot see through, it is never fused with the following add into an fma
+// (a GPU compiler may contract a * b + c; the samplers need no such guard, they subtract first).
+fn rounded(product: f32) -> f32 {
+  return bitcast<f32>(bitcast<u32>(product) ^ params.zero);
+}
 
 // The id at window slot `i` (position p - i), or NONE past the window or the start of the context.
 fn window_id(i: u32) -> u32 {
@@ -72,7 +80,7 @@ fn apply(@builtin(global_invocation_id) gid: vec3<u32>) {
   }
   let at = params.logits_offset + id;
   let l = logits[at];
-  let scaled = select(l * params.scale_negative, l * params.scale_positive, l > 0.0);
-  let drop = f32(seen) * params.frequency + params.presence;
+  let scaled = rounded(select(l * params.scale_negative, l * params.scale_positive, l > 0.0));
+  let drop = rounded(f32(seen) * params.frequency) + params.presence;
   logits[at] = scaled - drop;
 }

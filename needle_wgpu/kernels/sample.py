@@ -146,7 +146,7 @@ def process_logits(plan: Plan, arena: UniformArena, step, *, logits, logits_offs
         bias = _unmasked(device)
     r = float(sampling.repetition_penalty)
     params = arena.add(rows, logits_offset, positions, window, len(pairs), f32(1.0 / f32(r)), f32(r),
-                       float(sampling.presence_penalty), float(sampling.frequency_penalty))
+                       float(sampling.presence_penalty), float(sampling.frequency_penalty), 0)
     bindings = [params, step, logits, tokens, penalty_counts(device, rows), bias]
     plan.add(KernelKey("logits_process", entry="count"), bindings, (-(-max(window, len(pairs)) // THREADS),),
              label="logits.count")
