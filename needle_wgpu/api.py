@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 from .errors import NeedleError, UnsupportedModelError
 from .gpu.device import Device
-from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, id_list, instance_or_none,
+from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
                      optional_text, stop_strings)
+from .logprobs import saturate_top_logprobs
 from .prompt import Completion
 from .sampling import Sampling, clamp_budget, saturate_ids
 
@@ -49,6 +50,9 @@ class GenerationResult:
     # Probability from the confidence head over prompt + completion, computed by the same
     # forward (the probe pool runs alongside prefill and decode); None without such a head.
     confidence: float | None = None
+    # With logprobs=True: per produced token (as ``ids``) {"token", "logprob", "top_logprobs":
+    # [{"token", "logprob"}]} (``logprobs.TokenLogprob.as_dict``); None otherwise.
+    logprobs: list | None = None
 
 
 @dataclass
@@ -123,8 +127,15 @@ class Model:
     # ------------------------------------------------------------------ generation
     def stream(self, prompt=None, *, query=None, tools=None, system=None, ids=None, max_tokens=256,
                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv="f32", context=None,
-               constrained=None, result: GenerationResult | None = None, should_stop=None):
+               constrained=None, result: GenerationResult | None = None, should_stop=None, min_p=0.0,
+               repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=64,
+               logit_bias=None, logprobs=False, top_logprobs=0):
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end.
+
+        Sampling options saturate as ``Sampling.saturate`` says (docs/api.md). ``logprobs``:
+        ``result.logprobs`` gets each produced token's logprob and its ``top_logprobs`` (0 to 20)
+        most likely alternatives, from one readback of the logits row per token
+        (``needle_wgpu.logprobs``); without it a step reads back only the id.
 
         ``constrained`` (default: on for tool calls, where the family has an answer grammar):
         every sampled id keeps the answer inside the grammar (tool names, schema-valid
@@ -140,7 +151,11 @@ class Model:
         matcher = self._matcher(tools, constrained, query is not None or tools is not None)
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
-        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows)
+        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows, min_p=min_p,
+                                     repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                     frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+                                     logit_bias=logit_bias)
+        top = saturate_top_logprobs(top_logprobs) if flag(logprobs, "logprobs") else None
         stops = self.chat_format.stop_ids(self.tokenizer)
         stop_texts = stop_strings(stop)
         out = GenerationResult("", [], "empty", len(request), clamped)
@@ -169,10 +184,15 @@ class Model:
             extra = {} if should_stop is None else {"should_stop": should_stop}
             if matcher is not None:
                 extra["mask"] = matcher.mask(budget)
+            if top is not None:
+                extra["top_logprobs"] = top
+                out.logprobs = []
             next_id = session.prefill(request, sampling, **extra)
             if next_id is None:  # should_stop said so between chunks
                 out.finish_reason = "stopped"
                 return
+            if top is not None:
+                next_id, logprob = next_id
             first = time.perf_counter()
             out.time_to_first_token_s = first - started
             out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
@@ -187,6 +207,8 @@ class Model:
                     out.finish_reason = "eos"
                     break
                 out.ids.append(next_id)
+                if top is not None:
+                    out.logprobs.append(logprob.as_dict())
                 piece = decoder.push(next_id) if decoder else ""
                 text += piece
                 produced += 1
@@ -200,13 +222,14 @@ class Model:
                 if should_stop is not None and should_stop(produced, budget):
                     out.finish_reason = "stopped"
                     break
-                if matcher is None:
-                    next_id = session.step(sampling)
-                    continue
-                started_mask = time.perf_counter()
-                mask = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
-                masking += time.perf_counter() - started_mask
-                next_id = session.step(sampling, mask=mask)
+                step = {} if top is None else {"top_logprobs": top}
+                if matcher is not None:
+                    started_mask = time.perf_counter()
+                    step["mask"] = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
+                    masking += time.perf_counter() - started_mask
+                next_id = session.step(sampling, **step)
+                if top is not None:
+                    next_id, logprob = next_id
             if matcher is not None:
                 out.timings["mask_s"] = masking
             if decoder:

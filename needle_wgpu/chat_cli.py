@@ -18,8 +18,9 @@ HELP = "commands: /reset, /system TEXT, /quit"
 
 
 def _options(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed)
+    from .cli import sampling_keywords
+
+    return sampling_keywords(args)
 
 
 def status_line(stats) -> str:

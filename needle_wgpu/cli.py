@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .default_model import cache_dir, smollm2_path
-from .errors import NeedleError
+from .errors import InputError, NeedleError
 
 DEFAULT_QUERY = "What's the weather in Paris?"
 DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a city",'
@@ -90,8 +90,9 @@ def _load(path, progress):
 
 def cmd_generate(args) -> int:
     model = _load(_path_of(args), Progress(args.quiet))
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, kv=args.kv, stop=args.stop or (), context=args.context)
+    options = dict(sampling_keywords(args), kv=args.kv, stop=args.stop or (), context=args.context)
+    if args.logprobs is not None:
+        options.update(logprobs=True, top_logprobs=args.logprobs)
     if args.prompt is not None:
         request = dict(prompt=args.prompt)
     else:
@@ -126,6 +127,8 @@ def _result_json(result, completion) -> dict:
                        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)}}
     if completion is not None:
         out["tool_calls"], out["problems"] = completion.tool_calls, completion.problems
+    if result.logprobs is not None:
+        out["logprobs"] = result.logprobs
     return out
 
 
@@ -233,6 +236,30 @@ def _sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--top-k", type=float, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=float, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--penalty-last-n", type=float, default=64, help="positions the penalties look at "
+                        "(-1: the whole context, 0: off)")
+    parser.add_argument("--logit-bias", default=None, help='JSON object {"token id": bias}, bias in [-100, 100]')
+
+
+def sampling_keywords(args) -> dict:
+    """What ``_sampling_options`` declared, as ``Model.stream``/``Conversation.stream`` keywords;
+    --logit-bias that is not a JSON object is an ``InputError``."""
+    bias = None
+    if args.logit_bias is not None:
+        try:
+            bias = json.loads(args.logit_bias)
+        except ValueError as error:
+            raise InputError(f"logit_bias: invalid JSON ({error})") from None
+        if not isinstance(bias, dict):
+            raise InputError("logit_bias: expected a JSON object {\"token id\": bias}")
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                penalty_last_n=args.penalty_last_n, logit_bias=bias)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tools", help="tools JSON (tool-calling prompt)")
     gen.add_argument("--query", help="user query (tool-calling prompt)")
     _sampling_options(gen, max_tokens=64)
+    gen.add_argument("--logprobs", type=float, default=None, metavar="N",
+                     help="with --json: each token's logprob and its N (0 to 20) most likely alternatives")
     gen.add_argument("--kv", choices=("f32", "int8", "f16"), default="f32",
                      help="KV cache: f32, int8 (Needle 3) or f16 (dense GGUF models)")
     gen.add_argument("--context", type=float, default=None, help="context length (default: the model's "

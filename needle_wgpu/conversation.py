@@ -122,9 +122,11 @@ class Conversation:
         return self.messages[-1]
 
     def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
-               seed=0, stop=(), constraint=None, should_stop=None):
+               seed=0, stop=(), min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+               penalty_last_n=64, logit_bias=None, constraint=None, should_stop=None):
         """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
         tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``.
+        Sampling options as ``Model.stream``'s (the penalties see the rendered history).
 
         ``constraint`` (a ``grammar.Constraint``, e.g. from ``Model.constraint``): every sampled
         id keeps the reply inside its grammar, which must also end within the token budget
@@ -136,7 +138,10 @@ class Conversation:
         is taken back). The cache keeps what was run either way."""
         callback_or_none(should_stop, "should_stop")
         model, tokenizer = self.model, self.model._need_tokenizer()
-        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows)
+        sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows, min_p=min_p,
+                                     repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                     frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+                                     logit_bias=logit_bias)
         stop_texts = stop_strings(stop)
         history = list(self.messages)
         if content is not None:

@@ -7,7 +7,8 @@
 //   greedy (the settings say so, no finite maximum, or a +inf logit): the largest logit,
 //     lowest index on ties (all -inf/NaN -> 0);
 //   otherwise: candidates = the K = (top_k or rows) largest logits (ties by lowest index, an
-//     exact 4-pass radix select on the counts); w_i = floor(exp((l_i - max) · (1/T)) · 2^24);
+//     exact 4-pass radix select on the counts); w_i = floor(exp((l_i - max) · (1/T)) · 2^24),
+//     0 below min_p's threshold;
 //     nucleus = candidates with key >= θ, θ the largest key whose mass Σ_{key >= θ} w reaches
 //     the target (a 4-pass radix select on the weights; every tie at θ is kept); then the
 //     first nucleus index, in index order, whose running mass exceeds floor(u · mass / 2^24).
@@ -27,6 +28,7 @@ struct Params {
   top_p: u32,           // in 2^-24; 2^24 = off
   seed: u32,
   greedy: u32,          // 1: the settings ask for the argmax
+  min_weight: u32,      // min_p: candidates weighing less weigh 0 (0 = off; sampling.min_weight)
 }
 
 //#include step.wgsl
@@ -161,6 +163,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
       var weight = 0u;
       if (candidate) {
         weight = weight_of(k, top, params.weight_scale);
+        weight = select(weight, 0u, weight < params.min_weight);
       }
       w[e] = weight;
       own += weight;

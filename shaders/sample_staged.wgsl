@@ -12,7 +12,8 @@
 //   count_k ×4     top-k: counts per 8-bit digit of the keys that match the digits so far
 //   count_ties     θ_k and how many ties at θ_k are in; ties per slice
 //   weigh          w_i = floor(exp((l_i - max) · (1/T)) · 2^24) on candidates into `weights` (ties
-//                  at θ_k by index: a slice adds the ties of the slices before it); the kept
+//                  at θ_k by index: a slice adds the ties of the slices before it; 0 below
+//                  min_p's threshold); the kept
 //                  mass per slice; top-p: weight sums per top digit
 //   sum_p ×3       top-p: weight sums per digit of the keys that match the digits so far
 //   keep           θ_p; the kept mass per slice
@@ -35,7 +36,7 @@ struct Params {
   greedy: u32,          // 1: the settings ask for the argmax
   groups: u32,          // G = ceil(rows / SLICE)
   digit: u32,           // count_k 0..3, sum_p 1..3
-  _pad: u32,
+  min_weight: u32,      // min_p: candidates weighing less weigh 0 (0 = off; sampling.min_weight)
 }
 
 //#include step.wgsl
@@ -298,6 +299,7 @@ fn weigh(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: 
       var w = 0u;
       if (candidate) {
         w = weight_of(k, top, params.weight_scale);
+        w = select(w, 0u, w < params.min_weight);
       }
       weights[i] = w;
       own += w;

@@ -163,3 +163,40 @@ def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
     assert cli.default_model() == tmp_path / "needle3.cact"
     monkeypatch.setenv("NEEDLE_WGPU_MODEL", str(tmp_path / "other.gguf"))
     assert cli.default_model() == tmp_path / "other.gguf"
+
+
+class RecordingModel:
+    """Takes ``stream``'s keywords and produces one token with its logprob."""
+
+    chat_format = None
+
+    def stream(self, result=None, **options):
+        self.options = options
+        result.ids, result.text, result.finish_reason = [5], "x", "length"
+        result.logprobs = [{"token": 5, "logprob": -0.5, "top_logprobs": []}] if options.get("logprobs") else None
+        yield from ()
+
+
+def test_generate_and_chat_take_the_sampling_options(tmp_path, capsys, monkeypatch):
+    model = RecordingModel()
+    monkeypatch.setattr(cli, "_load", lambda path, progress: model)
+    path = str(tmp_path / "unused.gguf")
+    assert cli.main(["generate", path, "--prompt", "hi", "--min-p", "0.1", "--repetition-penalty", "nan",
+                     "--presence-penalty", "-3", "--frequency-penalty", "0.5", "--penalty-last-n", "-1",
+                     "--logit-bias", '{"7": -100, "9": 2}', "--logprobs", "3", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["logprobs"] == [{"token": 5, "logprob": -0.5, "top_logprobs": []}]
+    o = model.options
+    assert (o["min_p"], o["presence_penalty"], o["frequency_penalty"], o["penalty_last_n"]) == (0.1, -3.0, 0.5, -1.0)
+    assert o["logit_bias"] == {"7": -100, "9": 2} and o["logprobs"] is True and o["top_logprobs"] == 3.0
+    assert o["repetition_penalty"] != o["repetition_penalty"]  # NaN goes through; Sampling.saturate reads it as off
+    assert cli.main(["generate", path, "--prompt", "hi", "--json", "--quiet"]) == 0
+    assert "logprobs" not in json.loads(capsys.readouterr().out) and "logprobs" not in model.options
+    for bad in ("{", "[1, 2]"):
+        assert cli.main(["generate", path, "--prompt", "hi", "--logit-bias", bad, "--quiet"]) == 2
+        assert "needle-wgpu: logit_bias:" in capsys.readouterr().err
+    from needle_wgpu import chat_cli
+
+    args = cli.build_parser().parse_args(["chat", path, "--min-p", "0.2", "--logit-bias", '{"3": 1}'])
+    options = chat_cli._options(args)
+    assert options["min_p"] == 0.2 and options["logit_bias"] == {"3": 1} and options["penalty_last_n"] == 64

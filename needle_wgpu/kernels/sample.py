@@ -1,5 +1,9 @@
 """Next-token sampling on the GPU (spec §9): the decode step's only readback is 16 bytes.
 
+When the ``Sampling`` asks for logit_bias or penalties, ``logits_process.wgsl`` runs first, in
+place on the row (``reference.sampling.process_logits``); min_p is a weight threshold inside
+both samplers. The plain settings build exactly the dispatches they always did.
+
 The algorithm (greedy, top-k, top-p, a counter-based RNG) is defined by
 ``needle_wgpu.reference.sampling.sample``; both kernels follow it id for id. Two variants:
 ``ONE_WORKGROUP`` (``sample.wgsl``, one dispatch, rows <= 16,384) and ``STAGED``
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from ..gpu.device import Buffer, Device, KernelKey, Plan, UniformArena
-from ..sampling import U32_MAX, WEIGHT_ONE, Sampling, exp_consts, sampler_constants
+from ..sampling import U32_MAX, WEIGHT_ONE, WHOLE_CONTEXT, Sampling, exp_consts, f32, min_weight, sampler_constants
 
 THREADS = 256
 MAX_ITEMS = 64  # one workgroup: logits per invocation held in registers, so rows <= 16384
@@ -102,6 +106,54 @@ def _unmasked(device: Device) -> Buffer:
     return buffer
 
 
+_shared_counts: "weakref.WeakKeyDictionary[Device, tuple]" = weakref.WeakKeyDictionary()
+
+
+def penalty_counts(device: Device, rows: int) -> Buffer:
+    """The device's per-id counts (u32 [rows]) for the penalties: every plan leaves them zero,
+    so plans of any session share them; replaced by a larger one when ``rows`` needs it."""
+    held = _shared_counts.get(device)
+    if held is None or held[0] < rows:
+        held = _shared_counts[device] = (rows, device.buffer(4 * rows, label="penalty_counts"))
+    return held[1]
+
+
+def penalty_window(sampling: Sampling, context: int) -> int:
+    """How many positions the penalties look at: 0 when they are off; penalty_last_n, or the
+    whole context for -1 or a value at or above it."""
+    if not sampling.penalized:
+        return 0
+    last_n = sampling.penalty_last_n
+    return context if last_n == WHOLE_CONTEXT or last_n >= context else last_n
+
+
+def process_logits(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int, rows: int, tokens,
+                   context: int, positions: int, sampling: Sampling) -> None:
+    """logit_bias, then the penalties over the latest positions of ``tokens`` (ids by absolute
+    position; the row is position pos0 + T - 1), in place on logits[logits_offset : + rows].
+    ``logits_process.wgsl``: ``count`` (bias and counts), then ``apply`` when penalized.
+    Bindings: 0 params, 1 ``step``, 2 ``logits`` (read_write), 3 ``tokens``, 4 counts
+    (``penalty_counts``), 5 the bias pairs (a buffer made with the plan; ``count`` only)."""
+    window = penalty_window(sampling, context)
+    pairs = [(token, value) for token, value in sampling.logit_bias if token < rows]
+    if window == 0 and not pairs:
+        return
+    device = plan.device
+    if pairs:
+        data = b"".join(struct.pack("<If", token, value) for token, value in pairs)  # values are float32 already
+        bias = device.buffer(len(data), label="logit_bias", data=data)
+    else:
+        bias = _unmasked(device)
+    r = float(sampling.repetition_penalty)
+    params = arena.add(rows, logits_offset, positions, window, len(pairs), f32(1.0 / f32(r)), f32(r),
+                       float(sampling.presence_penalty), float(sampling.frequency_penalty), 0)
+    bindings = [params, step, logits, tokens, penalty_counts(device, rows), bias]
+    plan.add(KernelKey("logits_process", entry="count"), bindings, (-(-max(window, len(pairs)) // THREADS),),
+             label="logits.count")
+    if window:
+        plan.add(KernelKey("logits_process", entry="apply"), bindings[:5], (-(-window // THREADS),), label="logits.apply")
+
+
 def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int, rows: int, tokens, result,
            context: int, positions: int, sampling: Sampling, variant: str | None = None,
            scratch: SampleScratch | None = None, mask: Buffer | None = None) -> None:
@@ -124,11 +176,17 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     disallowed ids read as -inf and are never the argmax (``reference.sampling.sample(mask=)``).
     It is binding 5 of ``sample.wgsl`` and 7 of every ``sample_staged.wgsl`` pass; the caller
     writes it before the submit, so the step stays one submit.
+
+    logit_bias and penalties (``sampling.processes_logits``): ``process_logits`` first, which
+    changes the row in place (a logprobs readback of the row sees the processed logits).
     """
     variant = variant or variant_for(rows)
     limit = ONE_WORKGROUP_ROWS if variant == ONE_WORKGROUP else MAX_ROWS
     if not 0 < rows <= limit:
         raise UnsupportedModelError(f"sampler: {rows} logits (the {variant} sampler takes 1 to {limit})")
+    if sampling.processes_logits:
+        process_logits(plan, arena, step, logits=logits, logits_offset=logits_offset, rows=rows, tokens=tokens,
+                       context=context, positions=positions, sampling=sampling)
     greedy, scale, top_k, p_fixed = sampler_constants(sampling)
     words = (rows, logits_offset, positions, context, scale, top_k, p_fixed, int(sampling.seed) & U32_MAX,
              int(greedy))
@@ -136,11 +194,12 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
     mask = mask if masked else _unmasked(plan.device)
     if variant == ONE_WORKGROUP:
         key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)), ("MASKED", masked)) + exp_consts())
-        plan.add(key, [arena.add(*words), step, logits, tokens, result, mask], (1,), label="sample")
+        plan.add(key, [arena.add(*words, min_weight(sampling)), step, logits, tokens, result, mask], (1,),
+                 label="sample")
         return
     _staged(plan, arena, step, logits, tokens, result, words, scratch or shared_scratch(plan.device, rows),
             use_top_k=not greedy and 0 < top_k < rows, use_top_p=not greedy and p_fixed < WEIGHT_ONE,
-            mask=mask, masked=masked)
+            mask=mask, masked=masked, min_weight=min_weight(sampling))
 
 
 # How many of sample_staged.wgsl's bindings each entry uses (auto layouts: exactly those).
@@ -148,14 +207,14 @@ _BINDINGS_USED = {"reduce": 3, "count_k": 3, "count_ties": 3, "weigh": 4, "sum_p
 
 
 def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_top_k, use_top_p,
-            every_pass=False, mask=None, masked=False):
+            every_pass=False, mask=None, masked=False, min_weight=0):
     """The passes ``sample_staged.wgsl`` describes: only those the settings need, or (tests)
     ``every_pass``, since each pass also checks the settings itself."""
     rows, greedy = words[0], words[8]
     if scratch.rows < rows:
         raise UnsupportedModelError(f"sampler: scratch for {scratch.rows} logits, the row has {rows}")
     groups = -(-rows // SLICE)
-    params = [arena.add(*words, groups, digit, 0) for digit in range(4)]
+    params = [arena.add(*words, groups, digit, min_weight) for digit in range(4)]
     bindings = [None, logits, scratch.state, scratch.weights, step, tokens, result]
     mask = mask if mask is not None else _unmasked(plan.device)
 

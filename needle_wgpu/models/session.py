@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..errors import ContextFullError, InputError, NeedleError, UnsupportedModelError
 from ..gpu.device import Device, Plan
 from ..inputs import callback_or_none, checked_methods, id_list
+from ..logprobs import row_values, token_logprob
 from ..sampling import Sampling, clamp_count, saturate_ids
 
 
@@ -44,7 +45,7 @@ def session_sampling(sampling, rows: int, required: bool) -> Sampling | None:
         return None
     if not isinstance(sampling, Sampling):
         raise InputError(f"sampling must be a Sampling (Sampling.saturate(...)), got {type(sampling).__name__}")
-    return Sampling.saturate(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, vocab=rows)
+    return sampling.for_vocab(rows)
 
 
 @checked_methods
@@ -114,9 +115,11 @@ class ChunkedSession:
         dev.run(self._plan(PlanKey(T, sample, all_logits, masked)))
         self.position += T
 
-    def prefill(self, ids: list, sampling: Sampling | None = None, mask=None, should_stop=None):
+    def prefill(self, ids: list, sampling: Sampling | None = None, mask=None, should_stop=None, top_logprobs=None):
         """Run the prompt in chunks; with ``sampling``, return the id sampled after the last one
         (with ``mask``, a bitmask of ``ceil(logit_rows / 32)`` u32 words: only allowed ids).
+        With ``top_logprobs`` (a count, 0 to 20): return (id, ``logprobs.TokenLogprob``) instead,
+        from one readback of the sampled row (``needle_wgpu.logprobs``).
 
         ``should_stop(done, total)``, if given, is called before each chunk with the positions
         prefilled so far and the prompt's length; a true answer ends the prefill there and
@@ -135,11 +138,12 @@ class ChunkedSession:
             self._run_chunk(part, sampling if last else None, mask=mask if last and sampling else None)
         if sampling is None:
             return None
-        return self._read_sampled()
+        return self._read_sampled(top_logprobs, mask)
 
-    def step(self, sampling: Sampling, mask=None) -> int:
+    def step(self, sampling: Sampling, mask=None, top_logprobs=None):
         """Feed the last sampled id (already in ``tokens`` on the GPU) and sample the next (with
-        ``mask``: among the allowed ids only; still one submit)."""
+        ``mask``: among the allowed ids only; still one submit). The read back is the id's 4
+        bytes; with ``top_logprobs`` (0 to 20) also the row: (id, ``TokenLogprob``)."""
         self._check()
         sampling = session_sampling(sampling, self.logit_rows, required=True)
         if self.position >= self.context:
@@ -149,7 +153,7 @@ class ChunkedSession:
         dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
         dev.run(self._plan(PlanKey(1, sampling, mask=masked)))
         self.position += 1
-        return self._read_sampled()
+        return self._read_sampled(top_logprobs, mask)
 
     def rewind(self, position: int) -> None:
         """Forget every position from ``position`` on: the next prefill continues there (a
@@ -160,8 +164,14 @@ class ChunkedSession:
             raise NeedleError("this session cannot rewind (its cache keeps a sliding window)")
         self.position = clamp_count(position, 0, self.position, self.position)
 
-    def _read_sampled(self) -> int:
-        return struct.unpack_from("<I", self.device.read(self.result, 4))[0]
+    def _read_sampled(self, top_logprobs=None, mask=None):
+        token = struct.unpack_from("<I", self.device.read(self.result, 4))[0]
+        if top_logprobs is None:
+            return token
+        # Without all_logits the head wrote the sampled row first; the logits pass changed it in place.
+        rows = self.logit_rows
+        values = row_values(self.device.read(self.logits, 4 * rows), rows, mask)
+        return token, token_logprob(values, token, top_logprobs)
 
     def all_logits(self, ids: list) -> list:
         """Logits of every position (tests and analysis): reads back each chunk's logits."""

@@ -25,18 +25,28 @@ top_p in 2^-24) come from ``needle_wgpu.sampling.sampler_constants``.
 5. Nucleus (top_p < 1, p = floor(top_p · 2^24)): target = max(1, ceil(p · Σw / 2^24));
    θ = the largest key with Σ_{key >= θ} w >= target; candidates with key >= θ are kept (every
    tie at θ is kept). Without top_p, θ = 0 (every candidate).
+4b. min_p (m = ceil(f32(min_p) · 2^24), 0 when off): candidates with w_i < m weigh 0. The
+   largest weighs 2^24, so it always stays: min_p is relative to the most likely token at the
+   temperature.
 6. u = pcg(seed ^ pcg(position)) >> 8, 24 bits, with position = the absolute position of the
    drawn token (the logits row's position + 1); M = the kept mass, goal = floor(u · M / 2^24)
    < M. The pick is the first kept index, in index order, whose running sum of weights exceeds
    goal.
+
+Before step 1, when asked (``process_logits``, the GPU's ``logits_process.wgsl``), in float32:
+0a. logit_bias: l_id += bias for each (id, bias) pair (ids < rows).
+0b. penalties over the window: the ids at the latest ``penalty_last_n`` positions up to and
+    including the row's own (the prompt's included; ids >= rows are skipped), each id once with
+    its count c: repetition (r != 1): l > 0 -> l · f32(1/r), else l · r; then
+    l -= f32(c) · frequency + presence (llama.cpp's order).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import (EXP2_SIXTEENTHS, EXP_C3, EXP_C4, EXP_CUT, LN2_Q31, LOG2E_Q30, WEIGHT_ONE, Sampling,
-                        sampler_constants)
+from ..sampling import (EXP2_SIXTEENTHS, EXP_C3, EXP_C4, EXP_CUT, LN2_Q31, LOG2E_Q30, WEIGHT_ONE, WHOLE_CONTEXT,
+                        Sampling, f32, min_weight, sampler_constants)
 from .ops import F32
 
 NEG_INF_KEY = 0x007FFFFF
@@ -130,7 +140,47 @@ def allowed_ids(mask, rows: int) -> np.ndarray:
     return np.asarray(mask, bool).reshape(-1)[:rows]
 
 
-def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, position: int, mask=None) -> int:
+def penalty_window(tokens, position: int, last_n: int) -> np.ndarray:
+    """The ids the penalties look at for the row at ``position``: tokens[position - n + 1 ..
+    position], n = last_n (-1: the whole context, so every position up to the row's)."""
+    tokens = np.asarray(tokens, np.uint32).reshape(-1)
+    n = position + 1 if last_n == WHOLE_CONTEXT else min(last_n, position + 1)
+    return tokens[position + 1 - n : position + 1]
+
+
+def process_logits(logits, s: Sampling, window=()) -> np.ndarray:
+    """Steps 0a and 0b: the logits after logit_bias and the penalties over ``window`` (the ids,
+    ``penalty_window``), float32; a copy, the input is left as it was."""
+    x = np.array(logits, dtype=F32).reshape(-1)
+    rows = len(x)
+    for token, bias in s.logit_bias:
+        if token < rows:
+            x[token] = x[token] + F32(bias)
+    if not s.penalized:
+        return x
+    ids, counts = np.unique(np.asarray(window, np.uint32), return_counts=True)
+    keep = ids < rows
+    ids, counts = ids[keep].astype(np.intp), counts[keep]
+    r = F32(s.repetition_penalty)
+    inverse = F32(f32(1.0 / float(r)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = x[ids]
+        values = np.where(values > 0, values * inverse, values * r).astype(F32)
+        drop = (counts.astype(F32) * F32(s.frequency_penalty)).astype(F32) + F32(s.presence_penalty)
+        x[ids] = (values - drop.astype(F32)).astype(F32)
+    return x
+
+
+def sample_with(logits, s: Sampling, position: int, tokens=(), mask=None) -> int:
+    """The id for ``Sampling`` ``s`` with every step: ``tokens`` holds the ids by absolute
+    position (at least up to the row's, ``position - 1``), ``position`` is the drawn token's."""
+    window = penalty_window(tokens, position - 1, s.penalty_last_n) if s.penalized else ()
+    x = process_logits(logits, s, window) if s.processes_logits else logits
+    return sample(x, s.temperature, s.top_k, s.top_p, s.seed, position, mask=mask, min_p=s.min_p)
+
+
+def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, position: int, mask=None,
+           min_p: float = 0.0) -> int:
     """The id the GPU samplers pick for these logits and settings (module docstring).
 
     ``position`` is the absolute position of the token being drawn (the row's position + 1).
@@ -143,7 +193,8 @@ def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, posi
     if mask is not None:
         keys = np.where(allowed_ids(mask, rows), keys, np.uint32(NEG_INF_KEY)).astype(np.uint32)
     max_key = int(keys.max())
-    settings_greedy, scale, top_k, p_fixed = sampler_constants(Sampling(temperature, top_k, top_p, seed))
+    settings = Sampling(temperature, top_k, top_p, seed, min_p)
+    settings_greedy, scale, top_k, p_fixed = sampler_constants(settings)
     if settings_greedy or max_key in (NEG_INF_KEY, POS_INF_KEY):
         return greedy(logits, mask)
 
@@ -153,6 +204,7 @@ def sample(logits, temperature: float, top_k: int, top_p: float, seed: int, posi
     candidates = by_key[:count]
     w = np.zeros(rows, np.uint64)
     w[candidates] = weights(keys[candidates], max_key, scale)
+    w[w < np.uint64(min_weight(settings))] = 0  # step 4b
 
     # Step 5: walk the positive weights from the largest key down; all ties at θ stay.
     theta = 0
