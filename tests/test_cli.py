@@ -122,7 +122,7 @@ class Model:  # answers one tool call whose name holds a lone surrogate
         result.ids = [5]
         yield TokenEvent(5, "")
 
-cli._load = lambda path, progress: Model()
+cli._load = lambda path, progress, numerics="float": Model()
 sys.exit(cli.main(["generate", "unused.cact", "--query", "q", "--quiet"]))
 """
 
@@ -155,7 +155,7 @@ def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
         monkeypatch.delenv(variable, raising=False)
     assert cli.default_model() == installed
     opened = []
-    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None:
+    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None, numerics="float":
                                                        opened.append(source)))
     needle_wgpu.load()
     assert opened == [installed]

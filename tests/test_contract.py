@@ -419,7 +419,7 @@ def test_cli_info_on_a_valid_file(tmp_path, capsys):
 
 
 def test_cli_generate_saturates_and_maps_input_errors(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda path, progress: engine())
+    monkeypatch.setattr(cli, "_load", lambda path, progress, numerics="float": engine())
     path = str(tmp_path / "unused.cact")
     assert cli.main(["generate", path, "--prompt", "hi", "--max-tokens", "nan", "--temperature", "inf",
                      "--top-p", "-1", "--seed", "-7", "--quiet"]) == 0
@@ -430,7 +430,7 @@ def test_cli_generate_saturates_and_maps_input_errors(tmp_path, capsys, monkeypa
 
 def test_cli_takes_negative_values(tmp_path, capsys, monkeypatch):
     model = engine(script=TOKENIZER.encode("a -x b"))
-    monkeypatch.setattr(cli, "_load", lambda path, progress: model)
+    monkeypatch.setattr(cli, "_load", lambda path, progress, numerics="float": model)
     assert cli.main(["generate", str(tmp_path / "unused.cact"), "--prompt", "hi", "--max-tokens", "5",
                      "--seed", "-inf", "--temperature", "-1e5", "--top-k", "-1e5", "--top-p", "-1e-5",
                      "--stop", "-x", "--quiet"]) == 0
