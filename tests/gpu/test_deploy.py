@@ -137,3 +137,30 @@ def test_past_kv_window_is_flagged(device):
     session.all_logits([11])
     assert session.past_kv_window
     session.close()
+
+
+def test_heads_and_chunking_under_deploy(models):
+    """The probe heads read the deploy forward's cells (§4.9: quant passes to hidden_cells): the
+    GPU's confidence and router equal the deploy reference's (≤ 1e-5 before any rounding flip,
+    len7; a flip moves a head output by ~1e-4, len40), and differ from the float path's. A8 is
+    per position, so a prefill in one chunk and one split into prefill + decode steps are the
+    same numbers."""
+    import math
+
+    model, z = models["small-allheads"], oracle("small-allheads")
+    reference = ReferenceModel(upstream_file("small-allheads"), numerics="deploy")
+    for seq, tol in (("len7", 1e-5), ("len40", 1e-3)):
+        ids = z[f"{seq}.ids"].tolist()
+        p = model.confidence(ids)
+        logit = math.log(p / (1 - p))
+        assert abs(logit - reference.confidence_logit(ids)) <= tol, seq
+        assert abs(logit - float(z[f"{seq}.confidence"])) > 1e-4  # the float head (upstream quant=False)
+        assert np.abs(np.array(model.route(ids=ids).logits) - reference.route(ids)[0]).max() <= tol, seq
+    ids = z["len40.ids"].tolist()[:30]
+    session = model.gpu.session(context=64)
+    whole = np.array(session.all_logits(ids))
+    session.close()
+    session = model.gpu.session(context=64)
+    parts = [np.array(session.all_logits(ids[:20]))] + [np.array(session.all_logits([i])) for i in ids[20:]]
+    session.close()
+    assert np.array_equal(np.concatenate(parts), whole)
