@@ -281,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reference", action="store_true", default=True)
     bench.add_argument("--no-reference", dest="reference", action="store_false")
     bench.add_argument("--json", default="bench.json")
+    bench.add_argument("--numerics", choices=("float", "deploy"), default="float",
+                       help="Needle 3: float (default) or deploy numerics (the reference runs float)")
     bench.set_defaults(run=cmd_bench)
 
     heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")

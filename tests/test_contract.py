@@ -717,3 +717,23 @@ def test_every_error_is_a_needle_error_and_the_device_ones_are_device_errors():
         assert issubclass(error, NeedleError)
     for error in (DeviceLostError, OutOfMemoryError, DeviceLimitError):
         assert issubclass(error, DeviceError)
+
+
+def test_cli_generate_passes_numerics_and_kv(tmp_path, capsys, monkeypatch):
+    """``--numerics deploy`` reaches load; ``--kv`` defaults to None (the model's KV mode)."""
+    seen = {}
+
+    def fake_load(path, progress, numerics="float"):
+        seen["numerics"], seen["model"] = numerics, engine()
+        return seen["model"]
+
+    monkeypatch.setattr(cli, "_load", fake_load)
+    path = str(tmp_path / "unused.cact")
+    assert cli.main(["generate", path, "--prompt", "hi", "--max-tokens", "2", "--numerics", "deploy", "--quiet"]) == 0
+    assert seen["numerics"] == "deploy" and seen["model"].gpu.sessions[-1].kv is None
+    assert cli.main(["generate", path, "--prompt", "hi", "--max-tokens", "2", "--kv", "cq3", "--quiet"]) == 0
+    assert seen["model"].gpu.sessions[-1].kv == "cq3"
+    assert seen["numerics"] == "float"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["generate", path, "--prompt", "hi", "--numerics", "int4", "--quiet"])

@@ -70,6 +70,10 @@ class ReferenceModel:
         bits = numerics_rules.cq_bits(self.kv_mode)
         group = self.file["embedding"].group
         self.kv_levels = np.array(constants.kv_cq_levels(self.file.levels(bits), group), F32) if bits else None
+        g = self.geometry
+        if bits and max(g.qk_head_dim, g.v_head_dim) > constants.KV_CQ_GROUP:
+            raise UnsupportedModelError(f"CQ K/V: head widths {g.qk_head_dim}/{g.v_head_dim} exceed the group of "
+                                        f"{constants.KV_CQ_GROUP} (§4.9 point 5)")
         self.weights: Needle3Weights = load_weights(self.file)
 
     @classmethod
