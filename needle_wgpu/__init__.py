@@ -8,10 +8,11 @@ from .agent import Agent, AgentResult, Field, Tool, tool
 __version__ = "0.1.0"
 
 
-def load(source=None, device=None, progress=None):
+def load(source=None, device=None, progress=None, numerics="float"):
     """Open a model file (a path or its bytes: .cact or GGUF, told by its magic) on a GPU device
     and return an ``api.Model``. ``progress(stage, done, total)`` is called while loading.
-    No source: the default model (``cli.default_model``: the installed SmolLM2-135M-Instruct)."""
+    No source: the default model (``cli.default_model``: the installed SmolLM2-135M-Instruct).
+    ``numerics``: "float" (default) or "deploy" (Needle 3: upstream's quant=True arithmetic)."""
     import sys
 
     from .api import Model
@@ -21,7 +22,7 @@ def load(source=None, device=None, progress=None):
 
         source = default_model(lambda message: print(f"needle-wgpu: {message}", file=sys.stderr))
 
-    return Model.load(source, device=device, progress=progress)
+    return Model.load(source, device=device, progress=progress, numerics=numerics)
 
 __all__ = ["NeedleError", "ContainerError", "UnsupportedModelError", "InputError", "DeviceError",
            "DeviceLostError", "OutOfMemoryError", "DeviceLimitError", "load", "Agent", "AgentResult", "Field", "Tool", "tool", "__version__"]

@@ -71,7 +71,7 @@ class Agent:
 
     @checked  # an unknown keyword is an InputError, as for every public method
     def __init__(self, model, tools=(), *, system=None, max_steps=MAX_STEPS, constrained=None, stateless=False,
-                 context=None, kv="f32"):
+                 context=None, kv=None):
         from .api import Model, _servable_head
 
         if not isinstance(model, Model):

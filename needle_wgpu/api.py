@@ -76,14 +76,15 @@ class Model:
         self.chat_format = gpu_model.chat  # the family's prompt/stop/parse rules
 
     @classmethod
-    def load(cls, source, device=None, progress=None) -> "Model":
+    def load(cls, source, device=None, progress=None, numerics="float") -> "Model":
         """Open a model file (path or bytes; the family is told by its magic) on ``device``
-        (default: the native device)."""
+        (default: the native device). ``numerics``: "float" or "deploy" (Needle 3 only:
+        upstream's quant=True arithmetic, docs/api.md "Numerics")."""
         from .families import open_gpu_model
 
         instance_or_none(device, Device, "device", " (open one with needle_wgpu.gpu.open_device())")
         callback_or_none(progress, "progress")
-        return cls(open_gpu_model(source, device=device, progress=progress))
+        return cls(open_gpu_model(source, device=device, progress=progress, numerics=numerics))
 
     def describe(self) -> dict:
         """What the model is: family, geometry, sizes (the ``info`` command prints it)."""
@@ -126,7 +127,7 @@ class Model:
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt=None, *, query=None, tools=None, system=None, ids=None, max_tokens=256,
-               temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv="f32", context=None,
+               temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv=None, context=None,
                constrained=None, result: GenerationResult | None = None, should_stop=None, min_p=0.0,
                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=64,
                logit_bias=None, logprobs=False, top_logprobs=0):
@@ -303,7 +304,7 @@ class Model:
         return result
 
     # ------------------------------------------------------------------ conversations
-    def conversation(self, system=None, *, tools=None, context=None, kv="f32", confidence=False):
+    def conversation(self, system=None, *, tools=None, context=None, kv=None, confidence=False):
         """A ``conversation.Conversation``: messages rendered with the model's chat template
         over one session whose KV cache is kept across turns (``confidence``: the session
         runs the confidence head, ``Conversation.confidence()``)."""
@@ -312,7 +313,7 @@ class Model:
         return Conversation(self, system=system, tools=tools, context=context, kv=kv, confidence=confidence)
 
     def chat(self, messages, tools=None, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             stop=(), kv="f32", context=None) -> dict:
+             stop=(), kv=None, context=None) -> dict:
         """An OpenAI-style chat completion of ``messages`` (``choices[0].message`` with
         ``content`` and ``tool_calls``, ``finish_reason`` stop/length/tool_calls, ``usage``)."""
         from .conversation import chat_completion
@@ -372,7 +373,7 @@ class Model:
             session.close()
 
 
-    def logits(self, ids, kv="f32", context=None):
+    def logits(self, ids, kv=None, context=None):
         """Logits of every position as a list of float lists (rows = head_rows); [] when empty."""
         request, _ = saturate_ids(id_list(ids))
         if not request:

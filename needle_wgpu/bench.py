@@ -23,7 +23,8 @@ def run_benchmark(args) -> dict:
 
     path = args.model or str(default_model())
     started = time.perf_counter()
-    model = load(path, progress=Progress())
+    numerics = getattr(args, "numerics", "float")
+    model = load(path, progress=Progress(), numerics=numerics)
     load_s = time.perf_counter() - started
     g = model.geometry
     device = model.gpu.device
@@ -57,6 +58,7 @@ def run_benchmark(args) -> dict:
     result = {
         "model": str(path),
         "family": described["family"],
+        "numerics": numerics,
         "geometry": {"d_model": g.d_model, "layers": g.num_layers, "vocab": g.vocab},
         "adapter": device.adapter_name,
         "host": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",

@@ -82,14 +82,14 @@ class Progress:
         sys.stderr.flush()
 
 
-def _load(path, progress):
+def _load(path, progress, numerics="float"):
     from . import load
 
-    return load(path, progress=progress)
+    return load(path, progress=progress, numerics=numerics)
 
 
 def cmd_generate(args) -> int:
-    model = _load(_path_of(args), Progress(args.quiet))
+    model = _load(_path_of(args), Progress(args.quiet), args.numerics)
     options = dict(sampling_keywords(args), kv=args.kv, stop=args.stop or (), context=args.context)
     if args.logprobs is not None:
         options.update(logprobs=True, top_logprobs=args.logprobs)
@@ -274,8 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_options(gen, max_tokens=64)
     gen.add_argument("--logprobs", type=float, default=None, metavar="N",
                      help="with --json: each token's logprob and its N (0 to 20) most likely alternatives")
-    gen.add_argument("--kv", choices=("f32", "int8", "f16"), default="f32",
-                     help="KV cache: f32, int8 (Needle 3) or f16 (dense GGUF models)")
+    gen.add_argument("--kv", choices=("f32", "int8", "f16", "cq2", "cq3", "cq4"), default=None,
+                     help="KV cache: f32 (default), int8 (Needle 3), f16 (dense GGUF models); with "
+                     "--numerics deploy the default is the file's kv_bits and cq2/cq3/cq4 are CQ K/V")
+    gen.add_argument("--numerics", choices=("float", "deploy"), default="float",
+                     help="Needle 3: float (default) or deploy (upstream's quant=True arithmetic)")
     gen.add_argument("--context", type=float, default=None, help="context length (default: the model's "
                      "own for Needle 3, 4096 positions for GGUF models)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -307,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reference", action="store_true", default=True)
     bench.add_argument("--no-reference", dest="reference", action="store_false")
     bench.add_argument("--json", default="bench.json")
+    bench.add_argument("--numerics", choices=("float", "deploy"), default="float",
+                       help="Needle 3: float (default) or deploy numerics (the reference runs float)")
     bench.set_defaults(run=cmd_bench)
 
     heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")

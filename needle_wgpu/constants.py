@@ -94,5 +94,19 @@ def binary_level(group: int) -> float:
     return f32(f32(BINARY_LEVEL) / f32(math.sqrt(group)))
 
 
+KV_CQ_GROUP = 64  # Needle 3 §4.9 point 5: K/V of kv_bits 2/3/4 are CQ at group 64
+ACT_QMAX = 127.0  # Needle 3 §4.9: A8 = symmetric 8-bit fake-quant, scale = max|v| / 127
+
+
+def kv_cq_levels(header_levels, group: int) -> tuple:
+    """The CQ levels of the K/V round trip at group 64 (Needle 3 §4.9 point 5) from the header's
+    levels of one width, which are the Lloyd–Max book divided by sqrt(``group``) (§5.3):
+    f32(level · sqrt(group / 64)), the book divided by sqrt(64) up to the f32 rounding of the
+    header value (upstream recomputes the book; the two agree to an ulp, which moves a nearest
+    level only for a value within an ulp of a decision boundary)."""
+    factor = math.sqrt(group / KV_CQ_GROUP)
+    return tuple(f32(level * factor) for level in header_levels)
+
+
 GELU_TANH_SCALE = f32(math.sqrt(2.0 / math.pi))  # sqrt(2/π) of the tanh GELU (dense §3, Gemma 3)
 GELU_TANH_CUBIC = f32(0.044715)

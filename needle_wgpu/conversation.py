@@ -51,7 +51,7 @@ class Conversation:
     """Messages, tools and one session. ``send(text)`` runs a user turn and returns the
     assistant message; ``stream(text)`` yields its text pieces (tool-call blocks held back)."""
 
-    def __init__(self, model, *, system=None, tools=None, context=None, kv="f32", confidence=False):
+    def __init__(self, model, *, system=None, tools=None, context=None, kv=None, confidence=False):
         if not hasattr(model.chat_format, "render_ids"):
             raise UnsupportedModelError("this model family has no chat template: use generate()")
         self.model = model
@@ -299,7 +299,7 @@ class Conversation:
 
 def chat_completion(model, messages, tools=None, **options) -> dict:
     """``Model.chat``: an OpenAI-style chat completion of ``messages`` in a fresh conversation."""
-    context, kv = options.pop("context", None), options.pop("kv", "f32")
+    context, kv = options.pop("context", None), options.pop("kv", None)
     conversation = Conversation(model, tools=tools, context=context, kv=kv)
     try:
         conversation.add(messages)

@@ -1,7 +1,8 @@
 """The one place that maps a model file to its family, by the file's magic (never its name).
 
 A family is a module with ``sniff(head) -> bool``, ``read(source)`` (parse and validate the
-file, no GPU), ``open(parsed, device, progress) -> GpuModel`` and ``describe(parsed) -> dict``;
+file, no GPU), ``open(parsed, device, progress, numerics) -> GpuModel``, ``describe(parsed) -> dict``
+and ``NUMERICS`` (the numerics it runs, ``needle_wgpu.numerics``);
 ``api.Model`` drives the GpuModel.
 """
 
@@ -30,15 +31,25 @@ def family_of(source):
     return needle3
 
 
-def open_gpu_model(source, device=None, progress=None):
-    """Read, validate and upload a model file; ``device`` defaults to the native one."""
+def open_gpu_model(source, device=None, progress=None, numerics="float"):
+    """Read, validate and upload a model file; ``device`` defaults to the native one.
+    ``numerics`` ("float" or "deploy", ``needle_wgpu.numerics``) is checked before anything is read;
+    a family that has only float numerics refuses "deploy" with ``UnsupportedModelError``."""
+    from .numerics import choice
+
+    numerics = choice(numerics)
     family = family_of(source)
     parsed = family.read(source)  # a bad file fails before any device is opened
+    if numerics not in family.NUMERICS:
+        from .errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"numerics={numerics!r}: {family.__name__.rsplit('.', 1)[-1]} models run "
+                                    f"only {', '.join(family.NUMERICS)} numerics")
     if device is None:
         from .gpu import open_device
 
         device = open_device()
-    return family.open(parsed, device, progress=progress)
+    return family.open(parsed, device, progress=progress, numerics=numerics)
 
 
 def describe(source, context=None) -> dict:

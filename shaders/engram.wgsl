@@ -16,7 +16,8 @@
 //   op asserts it): no slot read by this chunk is written by it.
 //
 // Constants: CODE_BITS, LEVEL_BASE, GROUP, CAP (>= tables·row_pad and >= out_pad, a multiple
-// of 256), FWHT_SCALE (f32 of 1/sqrt(GROUP)), MAX_TABLES.
+// of 256), FWHT_SCALE (f32 of 1/sqrt(GROUP)), MAX_TABLES, ACT_QUANT (deploy numerics: A8 of e_p
+// before its transform, §4.9 point 1).
 
 struct FetchParams {
   positions: u32,     // T (eh holds [sites][T][out_pad])
@@ -83,6 +84,7 @@ var<workgroup> slot_of: array<u32, MAX_TABLES>;
 
 //#include fp16.wgsl
 //#include fwht.wgsl
+//#include act_quant.wgsl
 
 // Slot of table tb at absolute position p (§4.2); ids before position 0 read as 0.
 fn table_slot(p: u32, tb: u32) -> u32 {
@@ -150,6 +152,9 @@ fn fetch(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: v
     if (i < params.out_pad) {
       fwht_buf[i] = kept[k];
     }
+  }
+  if (ACT_QUANT) {
+    act_quant(lid, THREADS, params.width);
   }
   fwht_groups(lid, THREADS, params.out_pad, GROUP, FWHT_SCALE);
   let base = (params.site * params.positions + t) * params.out_pad;

@@ -5,7 +5,8 @@
 //   xfh[t] = prepare_input(x_f): zero-padded to out_pad, normalised FWHT per GROUP (§5.5.1)
 //
 // The tied head is then cq_matmul of the embedding pack against xfh.
-// Constants: GROUP, CAP (>= out_pad), FWHT_SCALE (f32 of 1/sqrt(GROUP)).
+// Constants: GROUP, CAP (>= out_pad), FWHT_SCALE (f32 of 1/sqrt(GROUP)), ACT_QUANT (deploy
+// numerics: A8 of x_f before the transform, §4.9 point 7).
 
 struct Params {
   d: u32,
@@ -31,6 +32,7 @@ var<workgroup> partial: array<f32, 256>;
 
 //#include fp16.wgsl
 //#include fwht.wgsl
+//#include act_quant.wgsl
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
@@ -60,6 +62,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
   let inv = 1.0 / sqrt(partial[0] / f32(params.d) + EPS);
   for (var c = lid; c < params.d; c += THREADS) {
     fwht_buf[c] = (1.0 + half_at(params.norm_at + c)) * fwht_buf[c] * inv;
+  }
+  if (ACT_QUANT) {
+    act_quant(lid, THREADS, params.d);
   }
   fwht_groups(lid, THREADS, params.out_pad, GROUP, FWHT_SCALE);
   for (var i = lid; i < params.out_pad; i += THREADS) {

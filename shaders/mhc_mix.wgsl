@@ -15,7 +15,8 @@
 // Sizes and the Engram switch are constants, never uniforms: lavapipe (Mesa 22.3) re-optimises and
 // recompiles a shader at every dispatch when a branch or loop bound depends on uniform values
 // alone ("inlined uniforms"), which cost more than the kernel itself.
-// Constants: GROUP, LANES (n), WIDTH (d, a multiple of 4), ENGRAM, FWHT_SCALE (f32 of 1/sqrt(GROUP)).
+// Constants: GROUP, LANES (n), WIDTH (d, a multiple of 4), ENGRAM, FWHT_SCALE (f32 of 1/sqrt(GROUP)),
+// ACT_QUANT (deploy numerics: hh = prepare_input(A8(ZCRMSNorm(bx; norm_in))), §4.9 point 3).
 
 struct Params {
   active_lane: u32,  // active lane (block index mod n, §4.4, §10)
@@ -67,6 +68,7 @@ var<workgroup> hpre: array<f32, LANES>;
 //#include fp16.wgsl
 //#include workgroup_sum.wgsl
 //#include fwht.wgsl
+//#include act_quant.wgsl
 
 // The four halves at an even half offset: two words, no per-element select.
 fn half4_at(index: u32) -> vec4<f32> {
@@ -190,6 +192,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
       fwht_buf[4u * q + 2u] = h.z;
       fwht_buf[4u * q + 3u] = h.w;
     }
+  }
+  if (ACT_QUANT) {
+    act_quant(lid, THREADS, WIDTH);
   }
   fwht_groups(lid, THREADS, D_PAD, GROUP, FWHT_SCALE);
   let hh_row = params.hh_offset + t * params.hh_stride;

@@ -5,7 +5,8 @@
 // X_t is the n x d lane block of position t, flattened lane-major (element lane*d + c). The
 // result feeds the band matmul of the phi rows (cq_matmul), which gives pre, post and res.
 // Constants: GROUP (CQ group), CAP (>= in_pad, the workgroup buffer length), FWHT_SCALE (f32 of
-// 1/sqrt(GROUP)).
+// 1/sqrt(GROUP)), ACT_QUANT (deploy numerics: A8 of rms_unit(X_t) before the transform, §4.9
+// point 2).
 
 struct Params {
   width: u32,      // n * d floats of one position
@@ -29,6 +30,7 @@ var<workgroup> fwht_buf: array<f32, CAP>;
 var<workgroup> partial: array<f32, THREADS>;
 
 //#include fwht.wgsl
+//#include act_quant.wgsl
 
 // Sum of one value per invocation (tree order); every invocation gets the total.
 fn workgroup_sum(lid: u32, value: f32) -> f32 {
@@ -62,6 +64,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
   let r = 1.0 / sqrt(workgroup_sum(lid, squares) / f32(params.width) + EPS);
   for (var i = lid; i < params.width; i += THREADS) {
     fwht_buf[i] = fwht_buf[i] * r;
+  }
+  if (ACT_QUANT) {
+    act_quant(lid, THREADS, params.width);
   }
   fwht_groups(lid, THREADS, params.in_pad, GROUP, FWHT_SCALE);
   let out = params.y_offset + position * params.y_stride;

@@ -58,26 +58,13 @@ struct Params {
 const THREADS: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
 const KV_F16: u32 = 2u;
-const HALF_MAX: f32 = 65504.0;
-const HALF_MIN_NORMAL: f32 = 6.103515625e-05;  // 2^-14; below it halves are multiples of 2^-24
-
 var<workgroup> x: array<f32, MAX_HEAD_DIM>;
 var<workgroup> partial: array<f32, THREADS>;
 var<workgroup> angle: array<f32, 128>;
 
 //#include rope_cos_sin.wgsl
 
-// x saturated to ±HALF_MAX and rounded to the nearest half, ties to even, as an f32 (exact).
-fn to_half_grid(x: f32) -> f32 {
-  let c = clamp(x, -HALF_MAX, HALF_MAX);
-  if (abs(c) < HALF_MIN_NORMAL) {
-    return round(c * 16777216.0) * 5.9604644775390625e-08;  // round() is ties-to-even
-  }
-  // Keep 10 of the 23 mantissa bits: add just under half of the dropped part, plus its last
-  // kept bit (ties to even); a carry moves into the exponent as it should.
-  let bits = bitcast<u32>(c);
-  return bitcast<f32>((bits + 0x0FFFu + ((bits >> 13u) & 1u)) & 0xFFFFE000u);
-}
+//#include half_grid.wgsl
 
 fn half_pair(a: f32, b: f32) -> u32 {
   return pack2x16float(vec2<f32>(to_half_grid(a), to_half_grid(b)));

@@ -5,6 +5,10 @@
 //   norm    per q/k head: (1 + s_i) · x_i / sqrt(mean(x²) + ε)   (division form, §0 item 2)
 //   RoPE    half-split pairs (i, i + hd/2), angle = f32(p) · f_i   (f_i from the host, in f32)
 //   int8    q fake-quantised per head (A8); K and V quantised per (slot, kv head) (§6 item 1)
+//   deploy  (f32 cache, §4.9 points 4-5) Q_QUANT: q fake-quantised per head (A8); KV_CQ = b > 0:
+//           each K and V head vector replaced by its CQ round trip at group 64 (zero-padded to
+//           64, rot = H64·x, nearest of the 2^b levels to rot/‖rot‖ (ties to the lower), times
+//           ‖rot‖ rounded to FP16, H64 again, cut to the head width), then stored as f32
 //
 // raw_{p-j} comes from this chunk's qkvg row when p - j >= pos0 and from the ring
 // [ring_slots][q+k+v] (slot = position mod ring_slots) otherwise. After reading, every
@@ -17,8 +21,9 @@
 // int8 mode rows of 4 signed bytes per word (element e in byte e % 4) plus f32 scales
 // [slots][kv] at k_scale_at / v_scale_at.
 //
-// Constants: CAP (>= q+k+v widths), INT8 (bool), PIO2_1..PIO2_4 (π/2 split for the angle
-// reduction: three 8-bit parts and the f32 remainder).
+// Constants: CAP (>= q+k+v widths), INT8 (bool), Q_QUANT (bool), KV_CQ (0, or the CQ width b;
+// head widths <= 64), PIO2_1..PIO2_4 (π/2 split for the angle reduction: three 8-bit parts and
+// the f32 remainder).
 
 struct Params {
   heads: u32,         // H
@@ -46,6 +51,7 @@ struct Params {
   _pad2: u32,
   _pad3: u32,
   freqs: array<vec4<f32>, 32>,  // RoPE inverse frequencies f_i, i < qk / 2
+  kv_levels: array<vec4<f32>, 4>,  // KV_CQ: the 2^b levels at group 64, ascending (else unused)
 }
 
 //#include step.wgsl
@@ -73,55 +79,14 @@ var<workgroup> sin_table: array<f32, MAX_HALF>;
 
 //#include rope_cos_sin.wgsl
 
-// v with the low 12 significand bits cleared: products of two such halves are exact in f32.
-fn split_high(v: f32) -> f32 {
-  return bitcast<f32>(bitcast<u32>(v) & 0xFFFFF000u);
-}
-
-// a - q·b, exact up to the last of four small terms (a ≈ q·b makes the first step exact).
-fn residual(a: f32, b: f32, q: f32) -> f32 {
-  let qh = split_high(q);
-  let ql = q - qh;
-  let bh = split_high(b);
-  let bl = b - bh;
-  return (((a - qh * bh) - qh * bl) - ql * bh) - ql * bl;
-}
-
-// The correctly rounded quotient a / b for a >= 0, b > 0 (WGSL division may be 2.5 ulp off):
-// the reference quantises with IEEE division then round-half-to-even, and a quotient next to a
-// .5 must round the same way.
-fn div_rn(a: f32, b: f32) -> f32 {
-  var q = a / b;
-  if (!(q > 1e-30)) {
-    return q;
-  }
-  for (var i = 0u; i < 4u; i++) {
-    let bits = bitcast<u32>(q);
-    let up = bitcast<f32>(bits + 1u) - q;
-    let down = q - bitcast<f32>(bits - 1u);
-    let r = residual(a, b, q);
-    if (r > 0.5 * up * b) {
-      q = bitcast<f32>(bits + 1u);
-    } else if (r < -0.5 * down * b) {
-      q = bitcast<f32>(bits - 1u);
-    } else {
-      break;
-    }
-  }
-  return q;
-}
-
-// clip(round_half_even(x / scale), -128, 127) (reference.ops.quantize_rows).
-fn quantize(x: f32, scale: f32) -> i32 {
-  let n = i32(min(round(div_rn(abs(x), scale)), 128.0));
-  return clamp(select(n, -n, x < 0.0), -128, 127);
-}
+//#include div_rn.wgsl
+//#include half_grid.wgsl
 
 fn pack4(at: u32, count: u32, scale: f32) -> u32 {
   var word = 0u;
   for (var e = 0u; e < 4u; e++) {
     if (e < count) {
-      word |= (bitcast<u32>(quantize(qkv[at + e], scale)) & 0xFFu) << (8u * e);
+      word |= (bitcast<u32>(quantize_i8(qkv[at + e], scale)) & 0xFFu) << (8u * e);
     }
   }
   return word;
@@ -129,6 +94,63 @@ fn pack4(at: u32, count: u32, scale: f32) -> u32 {
 
 fn freq(i: u32) -> f32 {
   return params.freqs[i / 4u][i % 4u];
+}
+
+const KV_GROUP: u32 = 64u;
+
+fn kv_level(i: u32) -> f32 {
+  return params.kv_levels[i / 4u][i % 4u];
+}
+
+// Normalised 64-point Walsh–Hadamard transform in place (Sylvester order, scale 1/8 exact).
+fn fwht64(v: ptr<function, array<f32, 64>>) {
+  for (var h = 1u; h < KV_GROUP; h <<= 1u) {
+    for (var p = 0u; p < KV_GROUP / 2u; p++) {
+      let i = (p / h) * 2u * h + (p % h);
+      let a = (*v)[i];
+      let b = (*v)[i + h];
+      (*v)[i] = a + b;
+      (*v)[i + h] = a - b;
+    }
+  }
+  for (var i = 0u; i < KV_GROUP; i++) {
+    (*v)[i] = (*v)[i] * 0.125;
+  }
+}
+
+// qkv[at : at + len] <- its CQ round trip at group 64 with the KV_CQ-bit levels (§4.9 point 5,
+// reference.ops.cq_fake_quant), by one invocation.
+fn cq_round_trip(at: u32, len: u32) {
+  var v: array<f32, 64>;
+  for (var i = 0u; i < KV_GROUP; i++) {
+    v[i] = select(0.0, qkv[at + min(i, len - 1u)], i < len);
+  }
+  fwht64(&v);
+  var squares = 0.0;
+  for (var i = 0u; i < KV_GROUP; i++) {
+    squares += v[i] * v[i];
+  }
+  let norm = sqrt(squares);
+  let divisor = max(norm, 1e-12);
+  let stored = to_half_grid(norm);
+  let count = 1u << KV_CQ;
+  for (var i = 0u; i < KV_GROUP; i++) {
+    let magnitude = div_rn(abs(v[i]), divisor);
+    let unit = select(magnitude, -magnitude, v[i] < 0.0);
+    // searchsorted (first level >= unit), clipped to [1, count - 1], then the closer
+    // neighbour, the lower one when equally close.
+    var pos = 1u;
+    while (pos < count - 1u && kv_level(pos) < unit) {
+      pos++;
+    }
+    let left = kv_level(pos - 1u);
+    let right = kv_level(pos);
+    v[i] = select(right, left, abs(unit - left) <= abs(unit - right)) * stored;
+  }
+  fwht64(&v);
+  for (var i = 0u; i < len; i++) {
+    qkv[at + i] = v[i];
+  }
 }
 
 @compute @workgroup_size(256)
@@ -231,12 +253,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
       for (var i = 0u; i < len; i++) {
         absmax = max(absmax, abs(qkv[at + i]));
       }
-      per_vector[h] = select(1.0, div_rn(absmax, 127.0), absmax > 0.0);
+      per_vector[h] = a8_scale(absmax);
     }
     workgroupBarrier();
     for (var c = lid; c < qw; c += THREADS) {
       let scale = per_vector[c / qk];
-      q_out[t * params.q_stride + c] = f32(quantize(qkv[c], scale)) * scale;
+      q_out[t * params.q_stride + c] = f32(quantize_i8(qkv[c], scale)) * scale;
     }
     let k_words = params.kv_heads * params.k_row;
     for (var w = lid; w < k_words; w += THREADS) {
@@ -258,9 +280,36 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
           bitcast<u32>(per_vector[params.heads + params.kv_heads + kv]);
     }
   } else {
-    // 4. f32: q out, K and V rows into the cache slot.
+    // 4. f32: q out, K and V rows into the cache slot; deploy numerics first quantise q per
+    //    head and round-trip each K and V head through CQ (§4.9 points 4-5).
+    if (Q_QUANT) {
+      for (var h = lid; h < params.heads; h += THREADS) {
+        var absmax = 0.0;
+        for (var i = 0u; i < qk; i++) {
+          absmax = max(absmax, abs(qkv[h * qk + i]));
+        }
+        per_vector[h] = a8_scale(absmax);
+      }
+    }
+    if (KV_CQ > 0u) {
+      for (var h = lid; h < 2u * params.kv_heads; h += THREADS) {
+        if (h < params.kv_heads) {
+          cq_round_trip(qw + h * qk, qk);
+        } else {
+          cq_round_trip(qw + kw + (h - params.kv_heads) * vd, vd);
+        }
+      }
+    }
+    if (Q_QUANT || KV_CQ > 0u) {
+      workgroupBarrier();
+    }
     for (var c = lid; c < qw; c += THREADS) {
-      q_out[t * params.q_stride + c] = qkv[c];
+      if (Q_QUANT) {
+        let scale = per_vector[c / qk];
+        q_out[t * params.q_stride + c] = f32(quantize_i8(qkv[c], scale)) * scale;
+      } else {
+        q_out[t * params.q_stride + c] = qkv[c];
+      }
     }
     for (var c = lid; c < kw; c += THREADS) {
       cache[params.k_at + slot * kw + c] = bitcast<u32>(qkv[qw + c]);

@@ -122,7 +122,7 @@ class Model:  # answers one tool call whose name holds a lone surrogate
         result.ids = [5]
         yield TokenEvent(5, "")
 
-cli._load = lambda path, progress: Model()
+cli._load = lambda path, progress, numerics="float": Model()
 sys.exit(cli.main(["generate", "unused.cact", "--query", "q", "--quiet"]))
 """
 
@@ -155,7 +155,7 @@ def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
         monkeypatch.delenv(variable, raising=False)
     assert cli.default_model() == installed
     opened = []
-    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None:
+    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None, numerics="float":
                                                        opened.append(source)))
     needle_wgpu.load()
     assert opened == [installed]
@@ -179,7 +179,7 @@ class RecordingModel:
 
 def test_generate_and_chat_take_the_sampling_options(tmp_path, capsys, monkeypatch):
     model = RecordingModel()
-    monkeypatch.setattr(cli, "_load", lambda path, progress: model)
+    monkeypatch.setattr(cli, "_load", lambda path, progress, numerics="float": model)
     path = str(tmp_path / "unused.gguf")
     assert cli.main(["generate", path, "--prompt", "hi", "--min-p", "0.1", "--repetition-penalty", "nan",
                      "--presence-penalty", "-3", "--frequency-penalty", "0.5", "--penalty-last-n", "-1",

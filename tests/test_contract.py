@@ -419,7 +419,7 @@ def test_cli_info_on_a_valid_file(tmp_path, capsys):
 
 
 def test_cli_generate_saturates_and_maps_input_errors(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda path, progress: engine())
+    monkeypatch.setattr(cli, "_load", lambda path, progress, numerics="float": engine())
     path = str(tmp_path / "unused.cact")
     assert cli.main(["generate", path, "--prompt", "hi", "--max-tokens", "nan", "--temperature", "inf",
                      "--top-p", "-1", "--seed", "-7", "--quiet"]) == 0
@@ -430,7 +430,7 @@ def test_cli_generate_saturates_and_maps_input_errors(tmp_path, capsys, monkeypa
 
 def test_cli_takes_negative_values(tmp_path, capsys, monkeypatch):
     model = engine(script=TOKENIZER.encode("a -x b"))
-    monkeypatch.setattr(cli, "_load", lambda path, progress: model)
+    monkeypatch.setattr(cli, "_load", lambda path, progress, numerics="float": model)
     assert cli.main(["generate", str(tmp_path / "unused.cact"), "--prompt", "hi", "--max-tokens", "5",
                      "--seed", "-inf", "--temperature", "-1e5", "--top-k", "-1e5", "--top-p", "-1e-5",
                      "--stop", "-x", "--quiet"]) == 0
@@ -717,3 +717,23 @@ def test_every_error_is_a_needle_error_and_the_device_ones_are_device_errors():
         assert issubclass(error, NeedleError)
     for error in (DeviceLostError, OutOfMemoryError, DeviceLimitError):
         assert issubclass(error, DeviceError)
+
+
+def test_cli_generate_passes_numerics_and_kv(tmp_path, capsys, monkeypatch):
+    """``--numerics deploy`` reaches load; ``--kv`` defaults to None (the model's KV mode)."""
+    seen = {}
+
+    def fake_load(path, progress, numerics="float"):
+        seen["numerics"], seen["model"] = numerics, engine()
+        return seen["model"]
+
+    monkeypatch.setattr(cli, "_load", fake_load)
+    path = str(tmp_path / "unused.cact")
+    assert cli.main(["generate", path, "--prompt", "hi", "--max-tokens", "2", "--numerics", "deploy", "--quiet"]) == 0
+    assert seen["numerics"] == "deploy" and seen["model"].gpu.sessions[-1].kv is None
+    assert cli.main(["generate", path, "--prompt", "hi", "--max-tokens", "2", "--kv", "cq3", "--quiet"]) == 0
+    assert seen["model"].gpu.sessions[-1].kv == "cq3"
+    assert seen["numerics"] == "float"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["generate", path, "--prompt", "hi", "--numerics", "int4", "--quiet"])

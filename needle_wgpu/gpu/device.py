@@ -109,15 +109,23 @@ def shader_source(family: str) -> str:
     """The WGSL text of one kernel family, from the source tree or the installed wheel.
 
     A line ``//#include NAME.wgsl`` is replaced by that file (shared helpers such as the FWHT):
-    WGSL has no includes, and one copy of each helper keeps desktop and browser in step.
+    WGSL has no includes, and one copy of each helper keeps desktop and browser in step. An
+    included file may include others; each file is pasted once, at its first include.
     """
-    lines = []
-    for line in _read_shader_file(f"{family}.wgsl").splitlines():
+    lines: list = []
+    _paste(f"{family}.wgsl", lines, set())
+    return "\n".join(lines) + "\n"
+
+
+def _paste(name: str, lines: list, seen: set) -> None:
+    seen.add(name)
+    for line in _read_shader_file(name).splitlines():
         if line.startswith("//#include "):
-            lines.append(_read_shader_file(line.split()[1]))
+            include = line.split()[1]
+            if include not in seen:
+                _paste(include, lines, seen)
         else:
             lines.append(line)
-    return "\n".join(lines) + "\n"
 
 
 class UniformArena:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import inv_sqrt, pio2_parts, rope_frequencies
+from ..constants import KV_CQ_GROUP, inv_sqrt, pio2_parts, rope_frequencies
 from ..errors import DeviceLimitError, UnsupportedModelError
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
 
@@ -26,6 +26,7 @@ THREADS = 256
 MAX_HEAD_DIM = 256  # q/k and v head widths: one workgroup array each
 MAX_VECTORS = 256  # H + 2·KV per-head scales in qkv_post
 MAX_FREQS = 128  # the Params struct holds 32 vec4 of RoPE frequencies
+MAX_KV_LEVELS = 16  # qkv_post's Params hold 4 vec4 of CQ K/V levels (4 bits)
 MAX_ROPE_POSITION = 1 << 16  # the angle reduction is exact for k·π/2 with k < 2^16
 WORKGROUP_BYTES = 16384
 STORAGE_OFFSET_ALIGN = 256  # WebGPU's minStorageBufferOffsetAlignment default (and maximum)
@@ -225,7 +226,8 @@ def _cache_mode(op: str, cache: KvCache, int8: bool | None) -> bool:
 
 def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp16_store, layer: int,
              qkvg, ring, ring_size: int, q_out, cache: KvCache, positions: int, int8: bool | None = None,
-             qkvg_stride: int | None = None, q_stride: int | None = None) -> None:
+             qkvg_stride: int | None = None, q_stride: int | None = None, q_quant: bool = False,
+             kv_levels: tuple = ()) -> None:
     """Needle 3's conv, per-head norm and RoPE of one chunk; q out, K/V into the cache (§4.5
     items 4-7, §6). ``shape``: ``needle3_shape(geometry, layer)``; ``fp16_store`` (an
     ``Fp16Store``) holds ``layers.{layer}.{q,k,v}_taps`` and ``q_norm`` / ``k_norm``.
@@ -235,14 +237,19 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp
     ``q_norm`` / ``k_norm`` vector for all heads) then NeoX RoPE at the absolute position p; v
     only convolved. int8 mode: q is fake-quantised per head (A8, §4.9 item 4) and K, V are
     quantised per (slot, kv head) as ``reference.ops.quantize_rows`` (IEEE division, round half
-    to even; the shader emulates the correctly rounded division).
+    to even; the shader emulates the correctly rounded division). Deploy numerics with an f32
+    cache (§4.9 points 4-5): ``q_quant`` fake-quantises q per head as int8 mode does, and
+    ``kv_levels`` (the 2^b CQ levels at group 64, ``constants.kv_cq_levels``; empty: none)
+    replaces each K and V head vector by its CQ round trip (``reference.ops.cq_fake_quant``)
+    before it is stored; head widths must then be at most 64.
 
     Bindings (``qkv_post.wgsl``): 0 params (uniform, with the f32 RoPE frequencies), 1 ``step``
     (uniform Step, pos0), 2 ``qkvg`` f32 [T][qkvg_stride] (raw q | k | v | gate; read), 3 the
     range of ``fp16`` holding the layer's taps and norms (offsets in params are relative to it),
     4 ``ring`` f32 [ring_size][q+k+v] (raw rows by position mod ring_size; read, then this
     chunk's rows written), 5 ``q_out`` f32 [T][q_stride], 6 the cache buffer (see ``KvCache``).
-    Workgroups: (T,), 256 invocations. Constants: CAP (q+k+v rounded up to 256), INT8, PIO2_1..4.
+    Workgroups: (T,), 256 invocations. Constants: CAP (q+k+v rounded up to 256), INT8, Q_QUANT,
+    KV_CQ (b, or 0), PIO2_1..4.
     Requires ring_size >= T + taps - 1 (no slot this chunk reads is written by it) and
     positions below 2^16 (the angle reduction).
     """
@@ -265,17 +272,34 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp
     cap = -(-width // THREADS) * THREADS
     if 4 * (cap + MAX_VECTORS + 3 * MAX_FREQS) > WORKGROUP_BYTES:
         raise UnsupportedModelError(f"qkv_post: q+k+v = {width} floats exceed the workgroup memory")
+    kv_bits = check_kv_cq(sh, kv_levels)
+    if int8 and (q_quant or kv_bits):
+        raise ValueError("qkv_post: int8 mode quantises q and K/V itself (q_quant / kv_levels are for f32 caches)")
     fp16, (q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at) = _layer_fp16(fp16_store, sh, layer)
     params = arena.add(sh.heads, sh.kv_heads, sh.qk_dim, sh.v_dim,
                        qkvg_stride or width + sh.out_width, taps, ring_size, cache.slots, q_stride or sh.q_width,
                        q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at,
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
-                       0, 0, 0, 0, *sh.frequencies())
+                       0, 0, 0, 0, *sh.frequencies(), *kv_levels, *[0.0] * (MAX_KV_LEVELS - len(kv_levels)))
     parts = pio2_parts()
-    key = KernelKey("qkv_post", consts=(("CAP", cap), ("INT8", int8), *((f"PIO2_{i + 1}", v) for i, v in
-                                                                        enumerate(parts))))
+    key = KernelKey("qkv_post", consts=(("CAP", cap), ("INT8", int8), ("Q_QUANT", bool(q_quant)), ("KV_CQ", kv_bits),
+                                        *((f"PIO2_{i + 1}", v) for i, v in enumerate(parts))))
     plan.add(key, [params, step, qkvg, fp16, ring, q_out, cache.buffer], (positions,),
              label=f"qkv_post {layer}")
+
+
+def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
+    """The CQ width of a K/V level table (0 when empty); refuses what qkv_post cannot do:
+    other than 4, 8 or 16 levels, or head widths above the group of 64 (§4.9 point 5)."""
+    if not kv_levels:
+        return 0
+    bits = {4: 2, 8: 3, 16: 4}.get(len(kv_levels))
+    if bits is None:
+        raise UnsupportedModelError(f"qkv_post: {len(kv_levels)} CQ K/V levels (2, 3 or 4 bits: 4, 8 or 16)")
+    if max(shape.qk_dim, shape.v_dim) > KV_CQ_GROUP:
+        raise UnsupportedModelError(f"CQ K/V: head widths {shape.qk_dim}/{shape.v_dim} exceed the group of "
+                                    f"{KV_CQ_GROUP} (§4.9 point 5)")
+    return bits
 
 
 def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q, cache: KvCache, o,

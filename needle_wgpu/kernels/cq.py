@@ -177,11 +177,14 @@ def _write_unaligned(device, buffer, at, data):
 
 
 def prepare(plan: Plan, arena: UniformArena, x, xh, *, width: int, group: int, positions: int,
-            x_stride: int, x_offset: int = 0, y_stride: int | None = None, y_offset: int = 0) -> None:
-    """xh[t] = per-group normalised FWHT of x[t] padded to in_pad (§5.5.1)."""
+            x_stride: int, x_offset: int = 0, y_stride: int | None = None, y_offset: int = 0,
+            act_quant: bool = False) -> None:
+    """xh[t] = per-group normalised FWHT of x[t] padded to in_pad (§5.5.1); with ``act_quant``
+    of A8(x[t]) instead (deploy numerics, §4.9; reference ``reference.ops.fake_quant``)."""
     in_pad = (width + group - 1) // group * group
     cap = prepare_cap(width, group)
-    key = KernelKey("cq_prepare", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
+    key = KernelKey("cq_prepare", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group)),
+                                          ("ACT_QUANT", bool(act_quant))))
     params = arena.add(width, in_pad, x_stride, x_offset, y_stride or in_pad, y_offset, 0, 0)
     plan.add(key, [params, x, xh], (positions,), label="cq_prepare")
 

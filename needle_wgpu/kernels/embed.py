@@ -68,8 +68,9 @@ def embed(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, p
 
 
 def final_norm(plan: Plan, arena: UniformArena, *, geometry: Needle3Geometry, fp16_store: Fp16Store, lanes, xfh,
-               positions: int, group: int) -> None:
-    """xfh[t] = prepare_input(ZCRMSNorm(lane mean of lanes[t]; final_norm)) (§4.8, §3, §5.5.1).
+               positions: int, group: int, act_quant: bool = False) -> None:
+    """xfh[t] = prepare_input(ZCRMSNorm(lane mean of lanes[t]; final_norm)) (§4.8, §3, §5.5.1);
+    ``act_quant`` (deploy numerics) prepares A8 of the normed vector instead (§4.9 point 7).
 
     The lane mean sums the n lanes in order, then divides by n. Bindings (``final_norm.wgsl``):
     0 params, 1 ``fp16`` (the Fp16Store buffer), 2 ``lanes`` f32 [T][n][d], 3 ``xfh`` f32
@@ -79,7 +80,7 @@ def final_norm(plan: Plan, arena: UniformArena, *, geometry: Needle3Geometry, fp
     g = geometry
     d_pad = -(-g.d_model // group) * group
     key = KernelKey("final_norm", consts=(("GROUP", group), ("CAP", workgroup_cap(d_pad)),
-                                          ("FWHT_SCALE", fwht_scale(group))))
+                                          ("FWHT_SCALE", fwht_scale(group)), ("ACT_QUANT", bool(act_quant))))
     window = fp16_store.window(["final_norm"])
     params = arena.add(g.d_model, g.mhc_lanes, d_pad, window.offset("final_norm"), g.mhc_lanes * g.d_model,
                        0, 0, 0)

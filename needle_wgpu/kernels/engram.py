@@ -40,14 +40,15 @@ def check(geometry: Needle3Geometry, group: int, workgroup_bytes: int) -> None:
                                     f"need {need} bytes of workgroup memory (the device has {workgroup_bytes})")
 
 
-def _fetch_key(geometry: Needle3Geometry, tables: CQPack, entry: str) -> KernelKey:
+def _fetch_key(geometry: Needle3Geometry, tables: CQPack, entry: str, act_quant: bool = False) -> KernelKey:
     g = geometry
     width = g.num_engram_tables * g.engram_sub_dim
     out_pad = -(-width // tables.group) * tables.group
     cap = workgroup_cap(g.num_engram_tables * tables.in_pad, out_pad)
     return KernelKey("engram", entry=entry, consts=(
         ("CODE_BITS", CODE_BITS[tables.bits]), ("LEVEL_BASE", LEVEL_BASE[tables.bits]), ("GROUP", tables.group),
-        ("CAP", cap), ("FWHT_SCALE", fwht_scale(tables.group)), ("MAX_TABLES", MAX_TABLES)))
+        ("CAP", cap), ("FWHT_SCALE", fwht_scale(tables.group)), ("MAX_TABLES", MAX_TABLES),
+        ("ACT_QUANT", bool(act_quant))))
 
 
 def _fetch_params(arena: UniformArena, g: Needle3Geometry, tables: CQPack, site: int, positions: int) -> Binding:
@@ -71,8 +72,9 @@ def _fetch_params(arena: UniformArena, g: Needle3Geometry, tables: CQPack, site:
 
 
 def fetch(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, site: int, tables: CQPack, levels,
-          tokens, eh, positions: int) -> None:
-    """eh[site][t] = prepare_input(e_p) for p = pos0 + t (§4.2, §5.5.1), one site per call.
+          tokens, eh, positions: int, act_quant: bool = False) -> None:
+    """eh[site][t] = prepare_input(e_p) for p = pos0 + t (§4.2, §5.5.1), one site per call;
+    ``act_quant`` (deploy numerics) prepares A8(e_p) instead (§4.9 point 1).
 
     e_p is the concatenation over tables tb = oi·H + h of the first sub_dim values of the
     dequantised row tb·slots + slot(p, tb) of this site's ``tables`` pack, or zeros while
@@ -84,7 +86,7 @@ def fetch(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, s
     A dispatch per site keeps each dispatch at 4 storage buffers whatever the number of sites.
     """
     params = _fetch_params(arena, geometry, tables, site, positions)
-    plan.add(_fetch_key(geometry, tables, "fetch"),
+    plan.add(_fetch_key(geometry, tables, "fetch", act_quant),
              [params, step, tokens, Binding(tables.slices[0].buffer), levels, eh], (positions,),
              label=f"engram fetch {site}")
 
@@ -138,6 +140,6 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     # The module's fetch constants must be defined to compile; conv does not depend on them.
     key = KernelKey("engram", entry="conv", consts=(
         ("CODE_BITS", 2), ("LEVEL_BASE", 0), ("GROUP", 128), ("CAP", 256), ("FWHT_SCALE", fwht_scale(128)),
-        ("MAX_TABLES", MAX_TABLES)))
+        ("MAX_TABLES", MAX_TABLES), ("ACT_QUANT", False)))
     plan.add(key, [params, step, window.binding, ekv, ring, ev], (-(-d // 256), positions, sites),
              label="engram conv")

@@ -109,8 +109,9 @@ def check(lanes_n: int, width: int, group: int, workgroup_bytes: int) -> None:
 
 def mhc_norm(plan: Plan, arena: UniformArena, lanes, nxh, *, lanes_n: int, width: int, group: int,
              positions: int, lane_stride: int | None = None, lane_offset: int = 0,
-             y_stride: int | None = None, y_offset: int = 0) -> None:
-    """nxh[t] = prepare_input(rms_unit(flatten(X_t))) (§4.4, §5.5.1).
+             y_stride: int | None = None, y_offset: int = 0, act_quant: bool = False) -> None:
+    """nxh[t] = prepare_input(rms_unit(flatten(X_t))) (§4.4, §5.5.1); ``act_quant`` (deploy
+    numerics) prepares A8(rms_unit(flatten(X_t))) instead (§4.9 point 2).
 
     Bindings: 0 params (uniform), 1 lanes f32 ``[T][n][d]`` (read), 2 nxh f32
     ``[T][pad(n·d)]`` (written). Strides default to n·d and pad(n·d); offsets are in floats.
@@ -123,7 +124,8 @@ def mhc_norm(plan: Plan, arena: UniformArena, lanes, nxh, *, lanes_n: int, width
     if 4 * cap + 1024 > WORKGROUP_BYTES:
         raise UnsupportedModelError(
             f"mhc_norm: n·d = {flat} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
-    key = KernelKey("mhc_norm", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group))))
+    key = KernelKey("mhc_norm", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group)),
+                                        ("ACT_QUANT", bool(act_quant))))
     params = arena.add(flat, in_pad, lane_stride or flat, lane_offset, y_stride or in_pad, y_offset, 0, 0)
     plan.add(key, [params, lanes, nxh], (positions,), label="mhc_norm")
 
@@ -132,8 +134,10 @@ def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, s
             layer: int, lanes_n: int, width: int, group: int, positions: int,
             active_lane: int | None = None, engram: EngramGateInputs | None = None,
             mix_stride: int | None = None, mix_offset: int = 0, lane_stride: int | None = None,
-            lane_offset: int = 0, hh_stride: int | None = None, hh_offset: int = 0) -> None:
-    """mix_down, lane weights, Sinkhorn, Engram gate and the prepared block input (§4.4-§4.7).
+            lane_offset: int = 0, hh_stride: int | None = None, hh_offset: int = 0,
+            act_quant: bool = False) -> None:
+    """mix_down, lane weights, Sinkhorn, Engram gate and the prepared block input (§4.4-§4.7);
+    ``act_quant`` (deploy numerics): hh = prepare_input(A8(ZCRMSNorm(bx; norm_in))) (§4.9 point 3).
 
     Reads lanes ``[T][n][d]`` and mix_dots ``[T][n + n + n·n]`` (pre_j, post_j, res_ij: the raw
     phi·nx products of the layer's band, from ``cq_matmul``). Writes into ``state`` u, bx and
@@ -181,6 +185,6 @@ def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, s
         off(mhc + "b_pre"), off(mhc + "b_post"), off(mhc + "b_res"),
         norm_in, _f32(math.sqrt(d)), 0, 0)
     key = KernelKey("mhc_mix", consts=(("GROUP", group), ("LANES", n), ("WIDTH", d), ("ENGRAM", engram is not None),
-                                       ("FWHT_SCALE", fwht_scale(group))))
+                                       ("FWHT_SCALE", fwht_scale(group)), ("ACT_QUANT", bool(act_quant))))
     plan.add(key, [params, lanes, mix_dots, window.binding, ekv, ev, Binding(state.buffer), hh],
              (positions,), label=f"mhc_mix {layer}")

@@ -70,7 +70,12 @@ def read(source) -> DenseFile:
     return DenseFile(f, DenseGeometry.from_gguf(f))
 
 
-def open(parsed: DenseFile, device: Device, progress=None) -> "DenseGpu":
+NUMERICS = ("float",)  # no deploy numerics: those are Needle 3's (§4.9 of the Needle 3 spec)
+
+
+def open(parsed: DenseFile, device: Device, progress=None, numerics="float") -> "DenseGpu":
+    if numerics != "float":
+        raise UnsupportedModelError(f"numerics={numerics!r}: dense models run only float numerics")
     return DenseGpu(device, parsed, progress=progress)
 
 

@@ -4,12 +4,14 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 
 from __future__ import annotations
 
+from .. import numerics as numerics_rules
+from ..constants import kv_cq_levels
 from ..errors import InputError, NeedleError, NonFiniteWeightsError, UnsupportedModelError
 from ..formats import cact
 from ..formats.cact import CactFile
 from ..formats.tokenizer import Tokenizer
 from ..gpu.device import Binding, Device, Plan, UniformArena
-from ..inputs import checked_methods, flag, wants_int8
+from ..inputs import checked_methods, flag
 from ..kernels import attention as attention_ops
 from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
 from ..kernels import probe as probe_ops
@@ -21,6 +23,7 @@ from .session import ChunkedSession, PlanKey, session_ids
 
 PREFILL_CHUNK = 64
 F32 = 4
+NUMERICS = numerics_rules.NUMERICS  # float (§4.1-§4.8) and deploy (§4.9)
 MAGICS = (cact.TAG_V3.to_bytes(4, "little"), cact.TAG_V2.to_bytes(4, "little"))
 
 
@@ -34,9 +37,9 @@ def read(source) -> CactFile:
     return cact.load(source)
 
 
-def open(container: CactFile, device: Device, progress=None) -> "Needle3Gpu":
-    """Upload a validated container to ``device``."""
-    return Needle3Gpu(device, container, progress=progress)
+def open(container: CactFile, device: Device, progress=None, numerics="float") -> "Needle3Gpu":
+    """Upload a validated container to ``device``, to run ``numerics`` ("float" or "deploy")."""
+    return Needle3Gpu(device, container, progress=progress, numerics=numerics)
 
 
 def describe(container: CactFile, context=None) -> dict:
@@ -53,10 +56,22 @@ def describe(container: CactFile, context=None) -> dict:
 
 @checked_methods
 class Needle3Gpu:
-    """The model's weights on a device, in quantised form (no dequantised copies)."""
+    """The model's weights on a device, in quantised form (no dequantised copies).
 
-    def __init__(self, device: Device, container: CactFile, progress=None):
+    ``numerics`` "deploy" runs upstream's quant=True forward (§4.9): A8 fused into the kernels
+    that prepare each CQ product's input, q A8 per head, K/V by the session's KV mode (default:
+    the header's kv_bits, §U d). The header's kv_window is reported, never applied (§U e).
+    """
+
+    def __init__(self, device: Device, container: CactFile, progress=None, numerics="float"):
+        self.numerics = numerics_rules.choice(numerics)
+        self.deploy = self.numerics == "deploy"
         check_supported(container, device.limits)
+        if self.deploy:  # the header's KV mode must be one this engine runs (§U d)
+            default_kv = numerics_rules.header_kv_mode(container.geometry.kv_bits)
+            if numerics_rules.cq_bits(default_kv):
+                for layer in range(container.geometry.num_layers):
+                    attention_ops.check_kv_cq(attention_ops.needle3_shape(container.geometry, layer), (0.0,) * 16)
         self.device = device
         self.cact = container
         self.geometry = g = container.geometry
@@ -107,16 +122,26 @@ class Needle3Gpu:
         return 2 * n + n * n
 
     def describe(self) -> dict:
-        return describe(self.cact) | {"gpu_weight_bytes": self.weight_bytes}
+        g = self.geometry
+        default_kv = numerics_rules.kv_mode(None, self.numerics, g.kv_bits)
+        return describe(self.cact) | {"gpu_weight_bytes": self.weight_bytes, "numerics": self.numerics,
+                                      "kv_default": default_kv, "kv_window": g.kv_window}
+
+    def kv_levels(self, mode: str) -> tuple:
+        """The CQ K/V levels at group 64 of a KV mode ("cq2"…"cq4"), () for the others (§4.9 point 5)."""
+        bits = numerics_rules.cq_bits(mode)
+        return kv_cq_levels(self.cact.levels(bits), self.group) if bits else ()
 
     @property
     def warnings(self) -> list:
         """Problems of a file that loaded (non-finite weights); requests refuse to run with any."""
         return self.cact.warnings
 
-    def session(self, context=None, kv="f32", confidence=False, heads=()) -> "Needle3Session":
+    def session(self, context=None, kv=None, confidence=False, heads=()) -> "Needle3Session":
         """A session; ``confidence`` (or ``heads``, manifest codes) runs those probe heads'
-        pools alongside every chunk of prefill and decode (§7)."""
+        pools alongside every chunk of prefill and decode (§7). ``kv``: None (float numerics:
+        "f32"; deploy: the header's kv_bits), "f32" or "int8", and under deploy numerics also
+        "cq2", "cq3", "cq4" (``needle_wgpu.numerics.kv_mode``)."""
         if self.cact.nonfinite:
             raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
         return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads)
@@ -136,12 +161,16 @@ class Needle3Session(ChunkedSession):
 
     supports_mask = True  # the sampler reads self.mask when the plan key says so
 
-    def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False, heads=()):
+    def __init__(self, model: Needle3Gpu, context=None, kv=None, confidence=False, heads=()):
         g = model.geometry
         self.model = model
+        self.kv_mode = numerics_rules.kv_mode(kv, model.numerics, g.kv_bits)
+        self.kv_levels = model.kv_levels(self.kv_mode)
+        for layer in range(g.num_layers):
+            attention_ops.check_kv_cq(attention_ops.needle3_shape(g, layer), self.kv_levels)
         self._open(model.device, context, g.max_seq_len)
         self.logit_rows = g.head_rows
-        self.int8 = wants_int8(kv)
+        self.int8 = self.kv_mode == "int8"
         dev = self.device
         G = model.group
         sites = len(g.engram_sites)
@@ -195,6 +224,14 @@ class Needle3Session(ChunkedSession):
         self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
                                              chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
 
+    @property
+    def past_kv_window(self) -> bool:
+        """True once this session holds more positions than the header's kv_window (§U e): the
+        engine's attention stays exact up to max_seq_len, never windowed, so from here on it
+        may differ from a native engine that applies the trained window."""
+        window = self.model.geometry.kv_window
+        return 0 < window < self.position
+
     # ------------------------------------------------------------------ plans
     def _build(self, key: PlanKey) -> Plan:
         """The forward of one chunk of T positions as a list of dispatches (docs/gpu-layout.md).
@@ -212,12 +249,13 @@ class Needle3Session(ChunkedSession):
         d_pad = _pad(d, G)
 
         cells = self.cells
+        deploy = m.deploy  # A8 inside the kernels that prepare a CQ product's input (§4.9)
         embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
                         lanes=self.lanes, positions=T, cells=cells)
         # Engram keys and values for every site, once per chunk (§4.2).
         for s in range(sites):
             engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[s], levels=m.levels,
-                             tokens=self.tokens, eh=self.eh, positions=T)
+                             tokens=self.tokens, eh=self.eh, positions=T, act_quant=deploy)
         if sites:
             cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
                       y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
@@ -230,22 +268,25 @@ class Needle3Session(ChunkedSession):
             if dev.pipeline_count != compiled:  # only report while new pipelines are compiling
                 m.report("compile", layer, g.num_layers)
             weights = m.layers[layer]
-            mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T)
+            mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T,
+                             act_quant=deploy)
             cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
                       y_stride=m.mix_width, row_start=layer * m.mix_width, rows=m.mix_width)
             site = g.engram_site(layer)
             gate = mhc_ops.EngramGateInputs(self.ekv, self.ev, site, sites) if site >= 0 else None
             mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=layer,
-                            lanes_n=n, width=d, group=G, positions=T, engram=gate)
+                            lanes_n=n, width=d, group=G, positions=T, engram=gate, act_quant=deploy)
             cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
                       y_stride=qkvg_width)
             shape = attention_ops.needle3_shape(g, layer)
             attention_ops.qkv_post(plan, arena, step, shape=shape, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
                                    ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
-                                   cache=self.caches[layer], positions=T, int8=self.int8)
+                                   cache=self.caches[layer], positions=T, int8=self.int8,
+                                   q_quant=deploy and not self.int8, kv_levels=self.kv_levels)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer],
                                     gate=self.qkvg, o=self.o, positions=T, int8=self.int8, label=f"attention {layer}")
-            cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out)
+            cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out,
+                       act_quant=deploy)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
                       x_stride=_pad(g.attn_out, G), y_stride=d)
             mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=layer,
@@ -253,7 +294,7 @@ class Needle3Session(ChunkedSession):
                             cell_stride=(g.num_layers + 1) * d)
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
-                             positions=T, group=G)
+                             positions=T, group=G, act_quant=deploy)
         scored = T if key.all_logits else 1
         cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=scored, x_stride=d_pad,
                   x_offset=(T - scored) * d_pad, y_stride=g.head_rows, rows=g.head_rows)

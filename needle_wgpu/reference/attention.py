@@ -133,9 +133,12 @@ def attend(q: np.ndarray, query_positions: np.ndarray, entries: tuple, key_posit
     return np.stack(rows) if rows else np.zeros((0, q.shape[1], width), F32)
 
 
-def output(o: np.ndarray, g: np.ndarray, p: AttentionParams) -> np.ndarray:
-    """a = ZCRMSNorm(Wout·(o ⊙ σ(g)); post_norm) (§4.5 items 9-10): the gate is elementwise."""
+def output(o: np.ndarray, g: np.ndarray, p: AttentionParams, act=None) -> np.ndarray:
+    """a = ZCRMSNorm(Wout·act(o ⊙ σ(g)); post_norm) (§4.5 items 9-10): the gate is elementwise;
+    ``act`` (deploy numerics: A8 of the whole gated vector, §4.9 point 6) defaults to none."""
     gated = o.reshape(o.shape[0], -1) * sigmoid(g)
+    if act is not None:
+        gated = act(gated)
     return zc_rms_norm(cq.matmul(p.out_proj, gated), p.post_norm)
 
 

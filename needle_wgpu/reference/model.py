@@ -2,6 +2,8 @@
 
 `ReferenceModel.forward_sequence` is the whole-sequence ("prefill") form of §4 with no state;
 `prefill` and `decode_step` run the same graph through a `KVCache` (§6), in f32 or int8 K/V.
+``numerics="deploy"`` runs upstream's quant=True forward instead (§4.9): A8 at the seven points,
+the query A8 per head and K/V by the KV mode (the header's kv_bits unless the caller names one).
 Each step below calls one small function of ops / cq / engram / mhc / attention / hada_mlp,
 in the order the spec lists them.
 """
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import constants
+from .. import constants, numerics as numerics_rules
 from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats import cact
 from ..inputs import checked_methods
@@ -22,7 +24,7 @@ from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
 from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit, probe_output
-from .ops import F32, causal_conv, conv_tail, fake_quant, quantize_rows, sigmoid, zc_rms_norm
+from .ops import F32, causal_conv, conv_tail, cq_fake_quant, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
 
 U32_MAX = 0xFFFFFFFF
@@ -51,22 +53,46 @@ def saturate_ids(ids) -> np.ndarray:
 
 @checked_methods
 class ReferenceModel:
-    """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile)."""
+    """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile).
 
-    def __init__(self, source):
+    ``numerics``: "float" (§4.1-§4.8, upstream quant=False) or "deploy" (§4.9, quant=True).
+    ``kv`` (deploy only; None: the header's kv_bits, §U d): "f32", "int8", "cq2", "cq3" or
+    "cq4", the K/V quantisation of §4.9 point 5 that every form (whole sequence, prefill,
+    decode) applies. Under float numerics the KV precision is the cache's (`new_cache`).
+    """
+
+    def __init__(self, source, numerics="float", kv=None):
         self.file = source if isinstance(source, cact.CactFile) else cact.load(source)
         self.geometry = self.file.geometry
+        self.numerics = numerics_rules.choice(numerics)
+        self.deploy = self.numerics == "deploy"
+        self.kv_mode = numerics_rules.kv_mode(kv, self.numerics, self.geometry.kv_bits) if self.deploy else "f32"
+        bits = numerics_rules.cq_bits(self.kv_mode)
+        group = self.file["embedding"].group
+        self.kv_levels = np.array(constants.kv_cq_levels(self.file.levels(bits), group), F32) if bits else None
+        g = self.geometry
+        if bits and max(g.qk_head_dim, g.v_head_dim) > constants.KV_CQ_GROUP:
+            raise UnsupportedModelError(f"CQ K/V: head widths {g.qk_head_dim}/{g.v_head_dim} exceed the group of "
+                                        f"{constants.KV_CQ_GROUP} (§4.9 point 5)")
         self.weights: Needle3Weights = load_weights(self.file)
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "ReferenceModel":
-        return cls(cact.load(path))
+    def from_path(cls, path: str | Path, numerics="float", kv=None) -> "ReferenceModel":
+        return cls(cact.load(path), numerics, kv)
+
+    def act(self, x: np.ndarray) -> np.ndarray:
+        """A8 of every vector of the last axis under deploy numerics (§4.9), else x itself."""
+        return fake_quant(x) if self.deploy else x
 
     @property
     def head_rows(self) -> int:
         return self.geometry.head_rows
 
-    def new_cache(self, precision: KvPrecision | str = KvPrecision.F32) -> KVCache:
+    def new_cache(self, precision: KvPrecision | str | None = None) -> KVCache:
+        """A decode cache; precision None: int8 for the deploy KV mode "int8", else f32 (a CQ
+        mode stores its round-tripped K/V as f32)."""
+        if precision is None:
+            precision = KvPrecision.INT8 if self.kv_mode == "int8" else KvPrecision.F32
         return KVCache(self.geometry, precision)
 
     # ------------------------------------------------------------------ public forms
@@ -176,7 +202,7 @@ class ReferenceModel:
 
     def output_logits(self, lane_means: np.ndarray) -> np.ndarray:
         """logits = E[:rows]·ZCRMSNorm(x̄; final_norm), the tied head without the sqrt(d) (§4.8)."""
-        x_final = zc_rms_norm(lane_means, self.weights.final_norm)
+        x_final = self.act(zc_rms_norm(lane_means, self.weights.final_norm))  # §4.9 point 7
         return cq.matmul(self.weights.embedding, x_final, 0, self.head_rows)
 
     def _forward_chunk(self, tokens: np.ndarray, start: int, cache: KVCache | None,
@@ -199,7 +225,7 @@ class ReferenceModel:
         cells = [x0]
         for layer in range(g.num_layers):
             p = w.mhc[layer]
-            nx = mhc.lane_norm(lanes)
+            nx = self.act(mhc.lane_norm(lanes))  # §4.9 point 2
             pre, post, res = mhc.lane_products(w.phi_pre, w.phi_post, w.phi_res, layer, nx, g.mhc_lanes)
             u = mhc.mix_down(lanes, mhc.pre_weights(pre, p))  # §4.4
             delta = self._block(layer, u, positions, engram_kv, cache) - u  # §4.5 item 13
@@ -230,7 +256,7 @@ class ReferenceModel:
             value_keep = np.stack([_shifted(keep, j * g.engram_max_order) for j in range(g.engram_conv_taps)])
         out = []
         for s, site in enumerate(self.weights.engram):
-            fetched = engram.fetch(site.tables, idx, valid, g.engram_slots, g.engram_sub_dim)
+            fetched = self.act(engram.fetch(site.tables, idx, valid, g.engram_slots, g.engram_sub_dim))  # §4.9 pt 1
             keys, raw_values = engram.project(site.key_proj, site.value_proj, fetched)
             tail = cache.engram_tails[s] if cache is not None else None
             values = engram.value_conv(raw_values, site.taps, g.engram_conv_dilation, g.engram_max_order,
@@ -248,7 +274,7 @@ class ReferenceModel:
         site = g.engram_site(layer)
         if site >= 0:
             bx = engram.gate(u, *engram_kv[site])  # item 1
-        h = zc_rms_norm(bx, w.attention[layer].norm_in)  # item 2
+        h = self.act(zc_rms_norm(bx, w.attention[layer].norm_in))  # item 2; §4.9 point 3
         a = self._attention(layer, h, positions, cache)
         bx = attention.residual(bx, a, w.attention[layer].attn_gate)  # item 11
         hada = w.hada[layer]
@@ -275,17 +301,23 @@ class ReferenceModel:
         k_heads = attention.position_heads(k, g.num_kv_heads, p.k_norm, positions, g.rope_theta)
         v_heads = attention.split_heads(v, g.num_kv_heads)
         o = self._attend(layer, q_heads, k_heads, v_heads, positions, cache)  # item 8
-        return attention.output(o, gate, p)  # items 9-10
+        return attention.output(o, gate, p, self.act)  # items 9-10; §4.9 point 6
 
     def _attend(self, layer: int, q_heads: np.ndarray, k_heads: np.ndarray, v_heads: np.ndarray,
                 positions: np.ndarray, cache: KVCache | None) -> np.ndarray:
         """Attention of the chunk's queries over the cached past plus the chunk itself (§6 item 1).
 
-        In int8 mode (needle-rs KvPrecision::Int8 = §4.9 item 4 only) q is A8 per head and k, v
+        In int8 mode (needle-rs KvPrecision::Int8 = §4.9 items 4-5 only) q is A8 per head and k, v
         are stored as int8 + scale; the chunk attends through that same integer form, so a
-        prefill equals stepped decode.
+        prefill equals stepped decode. Under deploy numerics q is A8 per head in every KV mode
+        and k, v go through the mode's quantisation before they are stored or attended (§4.9
+        items 4-5): fake-quant per head ("int8" without an int8 cache), the CQ round trip at
+        group 64 ("cq2/3/4"), or nothing ("f32").
         """
         int8 = cache is not None and cache.precision is KvPrecision.INT8
+        if self.deploy and not int8:
+            q_heads = fake_quant(q_heads)
+            k_heads, v_heads = self._kv_round_trip(k_heads), self._kv_round_trip(v_heads)
         if int8:
             q_heads = fake_quant(q_heads)
             k_i8, k_scale = quantize_rows(k_heads)
@@ -303,6 +335,14 @@ class ReferenceModel:
             ring.write(positions, new)
         span = self.geometry.attention_span(layer)
         return attention.attend(q_heads, positions, entries, key_positions, span, int8, key_keep=self._pad_mask)
+
+    def _kv_round_trip(self, x: np.ndarray) -> np.ndarray:
+        """K or V heads [T, KV, hd] as the deploy KV mode sees them (§4.9 point 5)."""
+        if self.kv_mode == "int8":
+            return fake_quant(x)
+        if self.kv_levels is not None:
+            return cq_fake_quant(x, self.kv_levels)
+        return x
 
     # ------------------------------------------------------------------ checks
 

@@ -134,6 +134,32 @@ def fake_quant(x: np.ndarray, bits: int = 8) -> np.ndarray:
     return integers.astype(F32) * scale
 
 
+def cq_fake_quant(x: np.ndarray, levels: np.ndarray, group: int = constants.KV_CQ_GROUP) -> np.ndarray:
+    """The CQ round trip of every vector of the last axis (§4.9 point 5, upstream ``cq_quantize``
+    at one group): the K/V quantisation of kv_bits 2/3/4.
+
+    Zero-pad to ``group``, rot = Hn·x (normalised FWHT), norm = ‖rot‖₂ (f32), unit = rot /
+    max(norm, 1e-12), the nearest of ``levels`` (sorted ascending; ties go to the lower index),
+    times the norm rounded to FP16 (to nearest, ties to even), then Hn again and cut back to the
+    input width. The vector width must be at most ``group``.
+    """
+    width = x.shape[-1]
+    if width > group:
+        raise ValueError(f"cq_fake_quant: width {width} exceeds the group {group}")
+    padded = np.zeros((*x.shape[:-1], group), F32)
+    padded[..., :width] = x
+    rot = fwht(padded, group)
+    norm = np.sqrt(np.sum(np.square(rot, dtype=F32), axis=-1, keepdims=True, dtype=F32))
+    unit = rot / np.maximum(norm, F32(1e-12))
+    book = np.asarray(levels, F32)
+    # searchsorted (left) then the closer neighbour, left when equally close (upstream _cq_nearest).
+    pos = np.clip(np.searchsorted(book, unit), 1, len(book) - 1)
+    left, right = book[pos - 1], book[pos]
+    nearest = np.where(np.abs(unit - left) <= np.abs(unit - right), left, right)
+    rounded_norm = norm.astype(np.float16).astype(F32)
+    return fwht((nearest * rounded_norm).astype(F32), group)[..., :width]
+
+
 # ---------------------------------------------------------------------------- Hadamard
 
 

@@ -173,8 +173,9 @@ def check_quantised(got_int, got_scale, x_ref):
 class Runner:
     """Buffers and per-T plans for a layer: qkvg rows in, q and o out, a ring and a cache."""
 
-    def __init__(self, device, model, layer, *, context, int8, chunk, ring_size=None):
+    def __init__(self, device, model, layer, *, context, int8, chunk, ring_size=None, q_quant=False, kv_levels=()):
         g = self.g = model.geometry
+        self.q_quant, self.kv_levels = q_quant, kv_levels
         self.device, self.model, self.layer, self.int8 = device, model, layer, int8
         self.width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         self.ring_size = ring_size or chunk + max(g.qkv_conv_taps, 1) - 1
@@ -193,7 +194,7 @@ class Runner:
             step = Binding(self.step)
             ops.qkv_post(plan, arena, step, shape=self.shape, layer=self.layer, fp16_store=self.model.store,
                          qkvg=self.qkvg, ring=self.ring, ring_size=self.ring_size, q_out=self.q, cache=self.cache,
-                         positions=T, int8=self.int8)
+                         positions=T, int8=self.int8, q_quant=self.q_quant, kv_levels=self.kv_levels)
             if attend:
                 ops.attention(plan, arena, step, shape=self.shape, q=self.q, cache=self.cache,
                               gate=self.qkvg, o=self.o, positions=T, int8=self.int8)
@@ -289,6 +290,38 @@ def test_qkv_post_odd_sizes_far_positions(device, tiny, taps, int8):
         q, _, entries = run_schedule(runner, raw, (6,), pos0=pos0, attend=False)
         qh, kh, vh = reference_heads(g, model.layers[0], raw, pos0 + np.arange(6))
         check_heads(g, int8, q, entries, qh, kh, vh)
+
+
+@pytest.mark.parametrize("bits", [0, 2, 4], ids=["q-only", "cq2", "cq4"])
+def test_qkv_post_deploy(device, tiny, bits):
+    """Deploy numerics with an f32 cache (§4.9 points 4-5): q A8 per head, and K/V replaced by
+    their CQ round trip at group 64 (reference.ops.cq_fake_quant). A head vector whose rotated
+    value sits within f32 noise of a level boundary may pick the neighbour level (the GPU's
+    conv/norm/RoPE differ from the reference by ulps): at most 3% of vectors may differ, the
+    rest agree to 1e-5 of their size."""
+    from needle_wgpu.constants import kv_cq_levels
+    from needle_wgpu.reference.ops import cq_fake_quant
+
+    g = tiny.geometry
+    rng = np.random.default_rng(40 + bits)
+    raw = random_raw(rng, g, 40)
+    book = {2: (-1.5104, -0.4528, 0.4528, 1.5104),
+            4: (-2.7326, -2.069, -1.618, -1.2562, -0.9423, -0.6568, -0.388, -0.1284, 0.1284, 0.388, 0.6568,
+                0.9423, 1.2562, 1.618, 2.069, 2.7326)}.get(bits, ())  # Lloyd–Max of N(0, 1)
+    levels = kv_cq_levels([x / np.sqrt(128) for x in book], 128)
+    runner = Runner(device, tiny, 0, context=64, int8=False, chunk=8, q_quant=True, kv_levels=levels)
+    q, _, (k, v) = run_schedule(runner, raw, (8, 8, 8, 8, 8), attend=False)
+    qh, kh, vh = reference_heads(g, tiny.layers[0], raw, np.arange(40))
+    q = q.reshape(qh.shape)
+    q_scale = np.abs(q).max(axis=-1) / F32(127)
+    check_quantised(np.rint(q / q_scale[..., None]).astype(np.int8), q_scale, qh)
+    for got, x in ((k, kh), (v, vh)):
+        want = cq_fake_quant(x, np.array(levels, F32)) if bits else x
+        size = np.abs(want).max(axis=-1) + 1e-30
+        close = np.abs(got - want).max(axis=-1) <= 1e-5 * size
+        assert close.mean() >= 0.97, (bits, close.mean())
+        if bits:
+            assert np.abs(want - x).max() > 1e-2  # the round trip changes the vectors
 
 
 def nudge(x, ulps):

@@ -146,6 +146,30 @@ def test_fixture_tensors(variant, fixture_dir):
         assert rel(got, want) <= GATE, name
 
 
+@pytest.mark.parametrize("width", [768, 200])
+def test_prepare_deploy(device, width):
+    """act_quant: xh = prepare_input(A8(x)), one scale per position (§4.9 point 6); a zero row
+    keeps scale 1 and stays zero."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from a8_checks import check_a8, unprepare
+
+    T = 4
+    x = (np.random.default_rng(width).normal(size=(T, width)) * np.array([[0.1], [3.0], [40.0], [0.0]])).astype(
+        np.float32)
+    in_pad = -(-width // 128) * 128
+    xb = device.buffer(x.nbytes, label="x", data=x.tobytes())
+    xh = device.buffer(4 * T * in_pad, label="xh")
+    arena, plan = UniformArena(device), Plan(device, "prepare")
+    cq.prepare(plan, arena, xb, xh, width=width, group=128, positions=T, x_stride=width, act_quant=True)
+    device.run(plan)
+    got = np.frombuffer(device.read(xh, 4 * T * in_pad), np.float32).reshape(T, in_pad)
+    check_a8(unprepare(got[:3], width), x[:3])
+    assert not got[3].any()
+
+
 def test_split_above_binding_limit(fixture_dir):
     """A tensor larger than maxStorageBufferBindingSize is split along rows and still exact."""
     f = cact.load(fixture_dir / "tiny.cact")
@@ -157,6 +181,6 @@ def test_split_above_binding_limit(fixture_dir):
     want = ref_cq.matmul(ref_cq.CQMatrix.from_tensor(t, f.levels(t.bits)), x)
     assert rel(got, want) <= GATE
     with pytest.raises(DeviceLimitError):
-        small.bind_group(small.pipeline(cq.KernelKey("cq_prepare", consts=(("GROUP", 128), ("CAP", 256),
+        small.bind_group(small.pipeline(cq.KernelKey("cq_prepare", consts=(("GROUP", 128), ("CAP", 256), ("ACT_QUANT", False),
                          ("FWHT_SCALE", cq.fwht_scale(128))))), [small.buffer(64, label="u", usage="uniform"),
                          small.buffer(40000, label="big"), small.buffer(64, label="o")])

@@ -313,5 +313,55 @@ def test_final_norm(device, gpu):
         assert rel(got[t], want[t]) <= GATE, t
 
 
+def _a8_checks():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import a8_checks
+
+    return a8_checks
+
+
+def test_final_norm_deploy(device, gpu):
+    """act_quant: xfh = prepare_input(A8(x_f)) (§4.9 point 7)."""
+    a8 = _a8_checks()
+    g = gpu.g
+    T, n, d = 5, g.mhc_lanes, g.d_model
+    lanes = np.random.default_rng(6).normal(scale=3.0, size=(T, n, d)).astype(F32)
+    lane_buffer = device.buffer(lanes.nbytes, label="lanes", data=lanes.tobytes())
+    d_pad = -(-d // 128) * 128
+    xfh = device.buffer(4 * T * d_pad, label="xfh")
+    arena, plan = UniformArena(device), Plan(device, "final_norm")
+    embed_ops.final_norm(plan, arena, geometry=g, fp16_store=gpu.fp16, lanes=lane_buffer, xfh=xfh, positions=T,
+                         group=128, act_quant=True)
+    device.run(plan)
+    got = gpu.read(xfh, T * d_pad).reshape(T, d_pad)
+    scale = float_array(gpu.f["final_norm"])
+    a8.check_a8(a8.unprepare(got, d), ref_ops.zc_rms_norm(ref_mhc.lane_mean(lanes), scale))
+
+
+def test_fetch_deploy(device, gpu):
+    """act_quant: eh = prepare_input(A8(e_p)) (§4.9 point 1), the hash and the rows unchanged."""
+    a8 = _a8_checks()
+    g = gpu.g
+    ids = np.random.default_rng(12).integers(0, g.vocab, size=9).tolist()
+    run = EngramRun(device, gpu, ids, max_chunk=9, ring=engram_ops.ring_slots_needed(g, 9))
+    dev = device
+    arena, plan = UniformArena(dev), Plan(dev, "engram fetch deploy")
+    for s in range(run.sites):
+        engram_ops.fetch(plan, arena, run.step, geometry=g, site=s, tables=gpu.tables[s], levels=gpu.levels,
+                         tokens=run.tokens, eh=run.eh, positions=9, act_quant=True)
+    write_step(dev, run.step, 0)
+    dev.run(plan)
+    eh = gpu.read(run.eh, run.sites * 9 * run.d_pad).reshape(run.sites, 9, run.d_pad)
+    idx, valid, _ = engram_reference(gpu, ids)
+    width = g.num_engram_tables * g.engram_sub_dim
+    for s in range(run.sites):
+        fetched = ref_engram.fetch(gpu.cq_matrix(f"engram.{s}.tables"), idx, valid, g.engram_slots, g.engram_sub_dim)
+        a8.check_a8(a8.unprepare(eh[s], width)[1:], fetched[1:])  # position 0 fetches nothing (all zero)
+        assert not eh[s, 0].any()
+
+
 def test_sqrt_d_constant():
     assert embed_ops.f32(math.sqrt(768)) == F32(np.sqrt(F32(768)))

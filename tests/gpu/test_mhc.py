@@ -124,7 +124,42 @@ def test_mhc_norm(device, n, d):
     assert rel(download(device, nxh, (T, in_pad)), want) <= GATE
 
 
-def run_mix(device, model, layer, seed):
+@pytest.mark.parametrize("n, d", [(4, 256), (3, 200)])
+def test_mhc_norm_deploy(device, n, d):
+    """act_quant: nxh = prepare_input(A8(rms_unit(flatten(X_t)))) (§4.9 point 2)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from a8_checks import check_a8, unprepare
+
+    lanes = random_lanes(np.random.default_rng(d + 1), n, d)
+    in_pad = -(-n * d // 128) * 128
+    lanes_buf, nxh = upload(device, lanes, "lanes"), device.buffer(4 * T * in_pad, label="nxh")
+    arena, plan = UniformArena(device), Plan(device, "mhc_norm")
+    mhc.mhc_norm(plan, arena, lanes_buf, nxh, lanes_n=n, width=d, group=128, positions=T, act_quant=True)
+    device.run(plan)
+    check_a8(unprepare(download(device, nxh, (T, in_pad)), n * d), ref_mhc.lane_norm(lanes))
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_mhc_mix_deploy(device, model, layer):
+    """act_quant: hh = prepare_input(A8(ZCRMSNorm(bx; norm_in))) (§4.9 point 3); the rest unchanged."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from a8_checks import check_a8, unprepare
+
+    got, want, _ = run_mix(device, model, layer, seed=20 + layer, act_quant=True)
+    d = model.width
+    check_a8(unprepare(got.pop("hh"), d), zc_rms_norm(want.pop("bx_for_hh"), model.norm_in[layer]))
+    want.pop("hh")
+    for name in want:
+        assert rel(got[name], want[name]) <= GATE, name
+
+
+def run_mix(device, model, layer, seed, act_quant=False):
     """One mhc_mix dispatch on random inputs; returns (got, want) dicts of arrays."""
     n, d = model.lanes, model.width
     sites = len(model.engram_sites)
@@ -142,7 +177,7 @@ def run_mix(device, model, layer, seed):
         gate = mhc.EngramGateInputs(upload(device, ekv, "ekv"), upload(device, ev, "ev"), site, sites)
     arena, plan = UniformArena(device), Plan(device, "mhc_mix")
     mhc.mhc_mix(plan, arena, model.store, upload(device, lanes, "lanes"), upload(device, mix_dots, "mix"), state, hh,
-                layer=layer, lanes_n=n, width=d, group=128, positions=T, engram=gate)
+                layer=layer, lanes_n=n, width=d, group=128, positions=T, engram=gate, act_quant=act_quant)
     device.run(plan)
     hmix = download(device, state.buffer, (T, n + n * n), state.hmix_at)
     got = {"u": download(device, state.buffer, (T, d), state.u_at),
@@ -158,6 +193,8 @@ def run_mix(device, model, layer, seed):
         bx = ref_engram.gate(u, ekv[:, site * 2 * d : site * 2 * d + d], ev[:, site])
     want = {"u": u, "bx": bx, "hpost": ref_mhc.post_weights(post, p), "hres": ref_mhc.residual_mix(res, p),
             "hh": ref_cq.prepare_input(zc_rms_norm(bx, model.norm_in[layer]), 128)}
+    if act_quant:
+        want["bx_for_hh"] = bx
     return got, want, site
 
 
