@@ -128,7 +128,9 @@ class Model:
 
         ``constrained`` (default: on for tool calls, where the family has an answer grammar):
         every sampled id keeps the answer inside the grammar (tool names, schema-valid
-        arguments, ``[]`` allowed), the mask applied on the GPU before sampling.
+        arguments, ``[]`` allowed), the mask applied on the GPU before sampling. A
+        ``grammar.Constraint`` (``Model.constraint``, e.g. over ``compile_schema``) keeps the
+        completion inside that grammar instead.
 
         ``should_stop(done, total)`` (optional) is asked before each prefill chunk (prompt
         positions done, prompt length) and before each decode step (tokens produced, budget);
@@ -225,7 +227,12 @@ class Model:
             session.close()
 
     def _matcher(self, tools, constrained, tool_request: bool):
-        """A grammar matcher for a constrained request, or None (vocabulary trie built once)."""
+        """A grammar matcher for a constrained request, or None (vocabulary trie built once).
+        ``constrained`` may be a ``grammar.Constraint`` (``Model.constraint``): that grammar."""
+        from .grammar import Constraint
+
+        if isinstance(constrained, Constraint):
+            return constrained.matcher()
         grammar_of = getattr(self.chat_format, "answer_grammar", None)
         wanted = tool_request and grammar_of is not None if constrained is None else bool(constrained)
         if not wanted:

@@ -18,8 +18,11 @@ HELP = "commands: /reset, /system TEXT, /quit"
 
 
 def _options(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed)
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed)
+    if getattr(args, "constraint", None) is not None:  # --json-schema: every reply under its grammar
+        options["constraint"] = args.constraint
+    return options
 
 
 def status_line(stats) -> str:

@@ -178,3 +178,33 @@ def test_the_logprobs_hook_becomes_openais_field():
     assert first["token"] == "Hi" and first["logprob"] == -0.25 and first["bytes"] == [72, 105]
     assert first["top_logprobs"][1]["token"] == model.decode([9906]) and field["refusal"] is None
     assert json.dumps(field)
+
+
+@pytest.mark.parametrize("content,problem", [
+    (None, "cannot read"), ("{not json", "is not JSON"), ('{"type": "string", "format": "email"}', "unsupported keywords"),
+    ('{"type": "integer", "minimum": 5, "maximum": 1}', "no integer"),
+])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_cli_json_schema_files_that_cannot_serve_are_one_line_exit_2(tmp_path, capsys, monkeypatch, content,
+                                                                    problem, command):
+    from needle_wgpu import cli
+
+    monkeypatch.setattr(cli, "_load", lambda path, progress: pytest.fail("the model was loaded"))
+    schema = tmp_path / "schema.json"
+    if content is not None:
+        schema.write_text(content)
+    argv = [command, "unused.gguf", "--json-schema", str(schema)] + (["--prompt", "x"] if command == "generate" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("needle-wgpu: --json-schema") and problem in err
+
+
+def test_cli_generate_json_schema_needs_a_raw_prompt(tmp_path, capsys, monkeypatch):
+    from needle_wgpu import cli
+
+    monkeypatch.setattr(cli, "_load", lambda path, progress: pytest.fail("the model was loaded"))
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "boolean"}')
+    for extra in ([], ["--prompt", "x", "--stop", "}"], ["--query", "q"]):
+        assert cli.main(["generate", "unused.gguf", "--json-schema", str(schema)] + extra) == 2
+        assert "--json-schema constrains a raw completion" in capsys.readouterr().err

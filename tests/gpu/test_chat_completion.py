@@ -110,6 +110,27 @@ def test_stream_chunks_add_up_to_the_completion(model, options):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 
+def test_cli_generate_and_chat_with_a_json_schema(model, tmp_path, capsys, monkeypatch):
+    from needle_wgpu import cli
+
+    monkeypatch.setattr(cli, "_load", lambda path, progress: model)
+    schema_file = tmp_path / "trip.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    for temperature in ("0", "1.5"):
+        assert cli.main(["generate", "unused.gguf", "--prompt", "Trip:", "--json-schema", str(schema_file),
+                         "--max-tokens", "80", "--temperature", temperature, "--json", "--quiet"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["finish_reason"] == "eos"
+        jsonschema.validate(json.loads(result["text"]), SCHEMA)
+    assert cli.main(["chat", "unused.gguf", "--message", "Plan a trip.", "--message", "Another.", "--json-schema",
+                     str(schema_file), "--max-tokens", "80", "--temperature", "1", "--context", "512", "--json",
+                     "--quiet"]) == 0
+    turns = json.loads(capsys.readouterr().out)["turns"]
+    for turn in turns:
+        assert turn["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(turn["message"]["content"]), SCHEMA)
+
+
 @pytest.fixture(scope="module")
 def smollm2(device):
     path = smollm2_path(verify_hash=False)
