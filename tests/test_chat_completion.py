@@ -58,6 +58,7 @@ def test_a_completion_is_shaped_as_openai_returns_it():
     ("  Spaces first, and last.  ", {}),
     ("  " + CALL, {}),  # a reply with calls is stripped: the leading spaces never show
     (CALL + "\n" + CALL, {}),
+    ("Sure. " + CALL + " Done.", {}),  # the text after the block comes once the reply ends
 ])
 def test_stream_chunks_add_up_to_the_completion(reply, options):
     gpu = ScriptedGpu([reply, reply])

@@ -158,24 +158,26 @@ def chat_completion(model, messages, tools=None, *, tool_choice="auto", response
     shape = reply_shape(model, tools, tool_choice, response_format)
     options = sampling_options(options)
     stop_strings(options.get("stop", ()))  # checked now, not at the stream's first chunk
-    constraint = None
+    constraint, notices = None, []
     if shape.grammar is not None:
         from ..grammar.tagged_calls import reply_grammar
 
         constraint = model.constraint(shape.grammar_key, lambda: reply_grammar(**shape.grammar))
-        if options.get("stop"):  # a stop string could cut the document: under a grammar it is not applied
+        if stop_strings(options.get("stop", ())):  # a stop string could cut the document
             options["stop"] = ()
+            notices.append("stop strings are not applied under a response format or required tool calls")
     conversation = Conversation(model, tools=shape.render_tools, context=context, kv=kv)
     conversation.bare_json_calls = shape.bare_json_calls
     conversation.add(messages)
     header = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": model_name(model)}
     turn = conversation.stream(None, constraint=constraint, **options)
     if flag(stream, "stream"):
-        return _chunks(conversation, turn, header, options.get("stop", ()))
+        return _chunks(conversation, turn, header, options.get("stop", ()), notices)
     try:
         for _ in turn:
             pass
         reply, stats = conversation.messages[-1], conversation.turns[-1]
+        stats.notices += notices
     finally:
         conversation.close()
     return {**header, "object": "chat.completion",
@@ -184,7 +186,7 @@ def chat_completion(model, messages, tools=None, *, tool_choice="auto", response
             "usage": _usage(stats), "stats": stats.as_dict()}
 
 
-def _chunks(conversation, turn, header, stop):
+def _chunks(conversation, turn, header, stop, notices):
     """The streamed form: role, content deltas, tool calls, finish reason, then usage."""
     model = conversation.model
 
@@ -201,6 +203,7 @@ def _chunks(conversation, turn, header, stop):
             if text:
                 yield chunk({"content": text})
         reply, stats = conversation.messages[-1], conversation.turns[-1]
+        stats.notices += notices
         rest = shown.finish(reply["content"] or "")
         if rest:
             yield chunk({"content": rest})

@@ -88,6 +88,14 @@ def test_required_and_named_tool_choices_give_valid_calls(model):
         assert len(valid_calls(named["choices"][0], ["add"])) == 1
 
 
+def test_stop_strings_do_not_cut_a_constrained_reply(model):
+    answer = model.chat(QUESTION, response_format={"type": "json_object"}, stop=["{", ":"], max_tokens=40,
+                        temperature=1.0, seed=4, context=512)
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(answer["choices"][0]["message"]["content"]), dict)
+    assert any("stop strings are not applied" in n for n in answer["stats"]["notices"])
+
+
 def test_a_budget_no_reply_fits_finishes_length_at_once(model):
     answer = model.chat(QUESTION, TOOLS, tool_choice="required", max_tokens=10)
     assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 0
