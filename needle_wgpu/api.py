@@ -140,7 +140,9 @@ class Model:
 
         ``constrained`` (default: on for tool calls, where the family has an answer grammar):
         every sampled id keeps the answer inside the grammar (tool names, schema-valid
-        arguments, ``[]`` allowed), the mask applied on the GPU before sampling.
+        arguments, ``[]`` allowed), the mask applied on the GPU before sampling. A
+        ``grammar.Constraint`` (``Model.constraint``, e.g. over ``compile_schema``) keeps the
+        completion inside that grammar instead.
 
         ``should_stop(done, total)`` (optional) is asked before each prefill chunk (prompt
         positions done, prompt length) and before each decode step (tokens produced, budget);
@@ -249,7 +251,12 @@ class Model:
             session.close()
 
     def _matcher(self, tools, constrained, tool_request: bool):
-        """A grammar matcher for a constrained request, or None (vocabulary trie built once)."""
+        """A grammar matcher for a constrained request, or None (vocabulary trie built once).
+        ``constrained`` may be a ``grammar.Constraint`` (``Model.constraint``): that grammar."""
+        from .grammar import Constraint
+
+        if isinstance(constrained, Constraint):
+            return constrained.matcher()
         constraint = self._answer_constraint(tools, constrained, tool_request)
         return None if constraint is None else constraint.matcher()
 
@@ -312,14 +319,24 @@ class Model:
 
         return Conversation(self, system=system, tools=tools, context=context, kv=kv, confidence=confidence)
 
-    def chat(self, messages, tools=None, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             stop=(), kv=None, context=None) -> dict:
-        """An OpenAI-style chat completion of ``messages`` (``choices[0].message`` with
-        ``content`` and ``tool_calls``, ``finish_reason`` stop/length/tool_calls, ``usage``)."""
-        from .conversation import chat_completion
+    def chat(self, messages, tools=None, *, tool_choice="auto", response_format=None, stream=False, max_tokens=256,
+             temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, penalty_last_n=None, logit_bias=None, stop=(), seed=0, logprobs=False,
+             top_logprobs=0, kv=None, context=None):
+        """An OpenAI-style chat completion of ``messages`` (``chat/completion.py``): a
+        ``chat.completion`` dict (``choices[0].message`` with ``content`` and ``tool_calls``,
+        ``finish_reason`` stop/length/tool_calls, ``usage``), or with ``stream=True`` an
+        iterator of ``chat.completion.chunk`` dicts ending with one that carries ``usage``.
+        ``tool_choice`` "required" or a named function and ``response_format`` JSON constrain
+        the reply to the format (docs/api.md)."""
+        from .chat.completion import chat_completion
 
-        return chat_completion(self, messages, tools, max_tokens=max_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, seed=seed, stop=stop, kv=kv, context=context)
+        return chat_completion(self, messages, tools, tool_choice=tool_choice, response_format=response_format,
+                               stream=stream, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                               top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                               penalty_last_n=penalty_last_n, logit_bias=logit_bias, stop=stop, seed=seed,
+                               logprobs=logprobs, top_logprobs=top_logprobs, kv=kv, context=context)
 
     # ------------------------------------------------------------------ analysis
     def confidence(self, ids=None, *, prompt=None, completion=None) -> float:

@@ -20,7 +20,10 @@ HELP = "commands: /reset, /system TEXT, /quit"
 def _options(args) -> dict:
     from .cli import sampling_keywords
 
-    return sampling_keywords(args)
+    options = sampling_keywords(args)
+    if getattr(args, "constraint", None) is not None:  # --json-schema: every reply under its grammar
+        options["constraint"] = args.constraint
+    return options
 
 
 def status_line(stats) -> str:

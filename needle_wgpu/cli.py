@@ -88,11 +88,42 @@ def _load(path, progress, numerics="float"):
     return load(path, progress=progress, numerics=numerics)
 
 
+def read_json_schema(path) -> tuple:
+    """``--json-schema FILE``: (the schema, its grammar's nodes), compiled before the model
+    loads. A file that cannot be read, is not JSON or is outside the schema subset is a
+    ``NeedleError`` (one line, exit status 2)."""
+    from .errors import InputError
+    from .grammar import GrammarError, compile_schema
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NeedleError(f"--json-schema: cannot read {path} ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"--json-schema: {path} is not JSON ({exc})") from None
+    try:
+        return schema, compile_schema(schema)
+    except GrammarError as exc:
+        raise GrammarError(f"--json-schema: {path}: {exc}") from None
+
+
+def schema_constraint(model, schema, nodes):
+    return model.constraint("schema:" + json.dumps(schema, ensure_ascii=False), lambda: nodes)
+
+
 def cmd_generate(args) -> int:
+    schema = read_json_schema(args.json_schema) if args.json_schema else None
+    if schema is not None and (args.prompt is None or args.query is not None or args.tools is not None or args.stop):
+        raise NeedleError("--json-schema constrains a raw completion: give --prompt, and no --query, --tools "
+                          "or --stop")
     model = _load(_path_of(args), Progress(args.quiet), args.numerics)
     options = dict(sampling_keywords(args), kv=args.kv, stop=args.stop or (), context=args.context)
     if args.logprobs is not None:
         options.update(logprobs=True, top_logprobs=args.logprobs)
+    if schema is not None:
+        options["constrained"] = schema_constraint(model, *schema)
     if args.prompt is not None:
         request = dict(prompt=args.prompt)
     else:
@@ -165,7 +196,10 @@ def cmd_heads(args) -> int:
 def cmd_chat(args) -> int:
     from .chat_cli import run_chat
 
-    return run_chat(args, _load(_path_of(args), Progress(args.quiet)))
+    schema = read_json_schema(args.json_schema) if args.json_schema else None
+    model = _load(_path_of(args), Progress(args.quiet))
+    args.constraint = schema_constraint(model, *schema) if schema is not None else None
+    return run_chat(args, model)
 
 
 def cmd_info(args) -> int:
@@ -282,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--context", type=float, default=None, help="context length (default: the model's "
                      "own for Needle 3, 4096 positions for GGUF models)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json-schema", metavar="FILE", help="constrain the completion of --prompt to JSON "
+                     "matching this schema (the supported subset, docs/api.md)")
     gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(run=cmd_generate)
@@ -291,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--message", action="append", help="a user message to answer (repeatable; no prompt loop)")
     chat.add_argument("--system", help="system message (default: the template's own, if any)")
     chat.add_argument("--tools", help="tools JSON, passed to the chat template")
+    chat.add_argument("--json-schema", metavar="FILE", help="every reply is JSON matching this schema")
     _sampling_options(chat, max_tokens=256)
     chat.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache precision")
     chat.add_argument("--context", type=float, default=None, help="context length (default 4096 positions)")

@@ -67,6 +67,7 @@ class Conversation:
         self.session = None
         self.cached: list = []  # the ids whose keys and values the session holds, in order
         self.turns: list = []
+        self.bare_json_calls = True  # a bare JSON call object counts as a call (chat/tool_calls.py)
         self.system = optional_text(system, "system")
         self.reset(self.system)
 
@@ -243,7 +244,7 @@ class Conversation:
         stats.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
         stats.context_used = session.position
         if self.tools:
-            parsed = parse_reply(reply["content"])
+            parsed = parse_reply(reply["content"], bare_json=self.bare_json_calls)
             if parsed.tool_calls:
                 reply["content"], reply["tool_calls"] = parsed.content, parsed.tool_calls
                 finish = "tool_calls"
@@ -297,22 +298,8 @@ class Conversation:
         return session
 
 
-def chat_completion(model, messages, tools=None, **options) -> dict:
-    """``Model.chat``: an OpenAI-style chat completion of ``messages`` in a fresh conversation."""
-    context, kv = options.pop("context", None), options.pop("kv", None)
-    conversation = Conversation(model, tools=tools, context=context, kv=kv)
-    try:
-        conversation.add(messages)
-        reply = conversation.send(None, **options)
-        stats = conversation.turns[-1]
-    finally:
-        conversation.close()
-    message = {"role": "assistant", "content": reply["content"] or None if reply.get("tool_calls")
-               else reply["content"]}
-    if reply.get("tool_calls"):
-        message["tool_calls"] = reply["tool_calls"]
-    return {"object": "chat.completion", "choices": [{"index": 0, "message": message,
-                                                      "finish_reason": stats.finish_reason}],
-            "usage": {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-                      "total_tokens": stats.prompt_tokens + stats.completion_tokens},
-            "stats": stats.as_dict()}
+def chat_completion(model, messages, tools=None, **options):
+    """``Model.chat``: an OpenAI-style chat completion (``chat/completion.py``)."""
+    from .chat.completion import chat_completion as complete
+
+    return complete(model, messages, tools, **options)

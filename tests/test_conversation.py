@@ -201,7 +201,7 @@ def test_chat_answers_stop_and_length():
     model = Model(gpu)
     done = model.chat([{"role": "user", "content": "Hi"}])
     assert done["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "Hello there, friend."},
-                                  "finish_reason": "stop"}
+                                  "finish_reason": "stop", "logprobs": None}
     cut = model.chat([{"role": "user", "content": "Hi"}], max_tokens=2)
     assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 2
 

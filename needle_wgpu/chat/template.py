@@ -200,6 +200,16 @@ class ChatTemplate:
         """Whether the template itself reads ``tools`` (else tools go into the system turn)."""
         return self.kind == "jinja" and "tools" in self.source
 
+    @property
+    def tool_call_format(self) -> str | None:
+        """How the model is told to write tool calls: ``"tagged"`` (Hermes/Qwen
+        ``<tool_call>`` blocks: the built-in ChatML, a template that gets its tools Qwen-style
+        in the system turn, or one that names ``<tool_call>`` itself), or None (the template
+        shows tools its own way: a format the engine cannot constrain)."""
+        if not self.uses_tools or "<tool_call>" in self.source:
+            return "tagged"
+        return None
+
     def render(self, messages, tools=None, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (checked: ``InputError`` for bad ones)."""
         messages, tools = check_messages(messages), check_tools(tools)

@@ -65,8 +65,9 @@ def _loads(text: str):
         return None
 
 
-def parse_reply(text: str) -> ParsedReply:
-    """Content and tool calls of one assistant answer."""
+def parse_reply(text: str, bare_json: bool = True) -> ParsedReply:
+    """Content and tool calls of one assistant answer. ``bare_json`` False: only
+    ``<tool_call>`` blocks are calls (a JSON answer, e.g. under a response format, is content)."""
     text = str(text)
     problems: list = []
     if OPEN in text:
@@ -88,6 +89,8 @@ def parse_reply(text: str) -> ParsedReply:
                 calls += found
         content_parts.append(rest)
         return ParsedReply("".join(content_parts).strip(), calls, problems)
+    if not bare_json:
+        return ParsedReply(text, [], problems)
     stripped = text.strip()
     fenced = _FENCE.match(stripped)
     candidate = fenced.group(1) if fenced else stripped

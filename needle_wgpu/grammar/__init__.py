@@ -8,7 +8,7 @@ per-step mask of token ids a model may sample (docs/api.md, "Constrained decodin
 """
 
 from .automaton import Automaton, GrammarError
-from .schema import Limits, compile_schema
+from .schema import Limits, compile_json_object, compile_schema
 from .tokens import Constraint, Matcher, Vocabulary
 
-__all__ = ["Automaton", "GrammarError", "Limits", "compile_schema", "Constraint", "Matcher", "Vocabulary"]
+__all__ = ["Automaton", "GrammarError", "Limits", "compile_json_object", "compile_schema", "Constraint", "Matcher", "Vocabulary"]

@@ -482,6 +482,62 @@ class JsonArray(Node):
         return max(self.min_items - n, 1) * (item + 1)  # phase 3: after a comma, inside the call
 
 
+class JsonMap(Node):
+    """``{key:value,...}`` with any keys (``key``: a String node) and at most ``max_items``
+    entries, each value the ``value`` node's text (a generic object: ``{"type": "json_object"}``).
+    local: ("open",), (1, n) after "{", (2, n) after a key, (3, n) after ":", (4, n) after a
+    value, (5, n) after ",", ("end",)."""
+
+    start = ("open",)
+
+    def __init__(self, key: int, value: int, max_items: int):
+        self.key, self.value, self.max_items = key, value, max_items
+
+    def step(self, local, byte):
+        phase = local[0]
+        if phase == "open":
+            return (1, 0) if byte == 0x7B else None
+        if phase == 1 and byte == 0x7D:
+            return ("end",)
+        if phase == 2:
+            return (3, local[1]) if byte == 0x3A else None
+        if phase == 4:
+            n = local[1]
+            if byte == 0x2C and n < self.max_items:
+                return 5, n
+            if byte == 0x7D:
+                return ("end",)
+        return None
+
+    def calls(self, local):
+        phase, n = local[0], local[1] if len(local) > 1 else 0
+        if phase in (1, 5) and n < self.max_items:
+            return ((self.key, (2, n)),)
+        if phase == 3:
+            return ((self.value, (4, n + 1)),)
+        return ()
+
+    def reads(self, local):
+        return local[0] in ("open", 1, 2, 4)
+
+    def final(self, local):
+        return local[0] == "end"
+
+    def rest(self, local, sizes):
+        phase = local[0]
+        if phase == "end":
+            return 0
+        if phase == "open":
+            return 2
+        if phase == 2:
+            return 2 + sizes[self.value]  # ":", the value, "}"
+        if phase == 3:
+            return 1 + sizes[self.value]
+        if phase == 5:
+            return sizes[self.key] + 2 + sizes[self.value]
+        return 1  # phases 1 and 4: "}"
+
+
 class Automaton:
     """A compiled grammar: its nodes (the root is node 0) and the matcher states over them.
 

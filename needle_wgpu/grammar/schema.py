@@ -6,7 +6,9 @@ in their declared order); strings with ``minLength``/``maxLength``; ``number``/`
 ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``; ``boolean``; ``null``; arrays
 with ``items``, ``minItems``, ``maxItems``; ``anyOf``/``oneOf`` (oneOf compiles as anyOf: give it
 disjoint branches); nesting of all of these. Annotations (title, description, default, examples,
-$schema, $id, $comment) are ignored. An empty schema (or one without a type) is any scalar.
+$schema, $id, $comment) are ignored. An empty schema (or one without a type) is any scalar. An
+object with no ``properties`` whose ``additionalProperties`` is true or a schema is a map: any
+keys, each value of that schema (true: any JSON value, ``SchemaCompiler.any_value``).
 Anything else raises ``GrammarError``, as does a schema no value satisfies.
 
 The text is compact JSON (no whitespace) and bounded, so every output ends: strings hold at most
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .automaton import (Choice, GrammarError, JsonArray, JsonObject, Literal, Node, Number, Options,
+from .automaton import (Choice, GrammarError, JsonArray, JsonMap, JsonObject, Literal, Node, Number, Options,
                         Sequence, String)
 
 ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment"))
@@ -37,6 +39,7 @@ class Limits:
     items: int = 16
     int_digits: int = 12
     frac_digits: int = 6
+    depth: int = 3  # nesting of a generic JSON value (any_value, {"type": "json_object"})
 
 
 def json_text(value) -> bytes:
@@ -75,6 +78,26 @@ class SchemaCompiler:
 
     def literal(self, text: bytes) -> int:
         return self.add(Literal(text))
+
+    def any_value(self, depth: int | None = None) -> int:
+        """Any JSON value nested at most ``depth`` containers deep (default ``Limits.depth``):
+        strings, numbers, true/false/null at the bottom; arrays and maps of the level below."""
+        limits = self.limits
+        depth = limits.depth if depth is None else depth
+        scalars = [self.add(String(0, limits.string)), self._number(False, {}),
+                   self.add(Options((b"true", b"false", b"null")))]
+        value = self.add(Choice(scalars))
+        for _ in range(max(depth, 0)):
+            value = self.add(Choice(scalars + [self.add(JsonArray(value, 0, limits.items)),
+                                               self.add(JsonMap(scalars[0], value, limits.items))]))
+        return value
+
+    def any_object(self, depth: int | None = None) -> int:
+        """Any JSON object (``{"type": "json_object"}``): a map whose values nest at most
+        ``depth`` - 1 containers deep."""
+        depth = self.limits.depth if depth is None else depth
+        return self.add(JsonMap(self.add(String(0, self.limits.string)), self.any_value(depth - 1),
+                                self.limits.items))
 
     def schema(self, schema, depth: int = 0) -> int:
         """The node of a value matching ``schema``."""
@@ -179,10 +202,23 @@ class SchemaCompiler:
         missing = [name for name in required if name not in properties]
         if missing:
             raise GrammarError(f"schema: required properties {missing} are not declared")
+        if not properties and (extra is True or isinstance(extra, dict)):  # a map: any keys, values of the extra schema
+            value = self.any_value(max(self.limits.depth - 1, 0)) if extra is True or extra == {} else \
+                self.schema(extra, depth + 1)
+            return self.add(JsonMap(self.add(String(0, self.limits.string)), value, self.limits.items))
         names = list(properties)
         values = [self.schema(properties[n], depth + 1) for n in names]
         keys = [json_text(str(n)) for n in names]
         return self.add(JsonObject(keys, values, [n in required for n in names]))
+
+
+def compile_json_object(limits: Limits = Limits()) -> list:
+    """The nodes of a grammar whose texts are JSON objects (any keys and values, bounded by
+    ``limits``): ``response_format={"type": "json_object"}``."""
+    compiler = SchemaCompiler(limits)
+    root = compiler.reserve()
+    compiler.nodes[root] = Sequence([compiler.any_object()])
+    return compiler.nodes
 
 
 def compile_schema(schema, limits: Limits = Limits()) -> list:

@@ -63,7 +63,7 @@ def test_chat_command_with_messages_as_json_uses_the_default_model():
 
 
 def test_interactive_chat_with_system_and_reset(smollm2, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load", lambda path, progress: smollm2)
+    monkeypatch.setattr(cli, "_load", lambda path, progress, numerics="float": smollm2)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi!\n/system Be a pirate.\nHi!\n/reset\nHi!\n/quit\n"))
     assert cli.main(["chat", "unused.gguf", "--system", "Be brief.", "--max-tokens", "3", "--context", "128",
                      "--quiet"]) == 0
