@@ -19,6 +19,7 @@ from .chat.template import check_messages, check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
 from .grammar import Constraint
 from .inputs import as_text, callback_or_none, checked_methods, flag, instance_or_none, optional_text, stop_strings
+from .logprobs import saturate_top_logprobs
 from .sampling import Sampling, clamp_budget
 
 MIN_REPLY_ROOM = 16  # positions a turn keeps free for the reply when max_tokens asks for more than fits
@@ -41,6 +42,9 @@ class TurnStats:
     context: int = 0
     dropped_messages: int = 0
     notices: list = field(default_factory=list)
+    # With logprobs=True: per produced token {"token", "logprob", "top_logprobs": [...]}
+    # (``logprobs.TokenLogprob.as_dict``); None otherwise.
+    logprobs: list | None = None
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -124,10 +128,13 @@ class Conversation:
 
     def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
                seed=0, stop=(), min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-               penalty_last_n=64, logit_bias=None, constraint=None, should_stop=None):
+               penalty_last_n=64, logit_bias=None, constraint=None, should_stop=None, logprobs=False,
+               top_logprobs=0):
         """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
         tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``.
-        Sampling options as ``Model.stream``'s (the penalties see the rendered history).
+        Sampling options as ``Model.stream``'s (the penalties see the rendered history);
+        ``logprobs``: the turn's ``TurnStats.logprobs`` gets each produced token's logprob and
+        its ``top_logprobs`` (0 to 20) alternatives, from one logits-row readback per token.
 
         ``constraint`` (a ``grammar.Constraint``, e.g. from ``Model.constraint``): every sampled
         id keeps the reply inside its grammar, which must also end within the token budget
@@ -138,6 +145,7 @@ class Conversation:
         "stopped" (the reply so far is the reply; stopped before its first token, the message
         is taken back). The cache keeps what was run either way."""
         callback_or_none(should_stop, "should_stop")
+        top = saturate_top_logprobs(top_logprobs) if flag(logprobs, "logprobs") else None
         model, tokenizer = self.model, self.model._need_tokenizer()
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=model.geometry.head_rows, min_p=min_p,
                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -156,7 +164,7 @@ class Conversation:
             reply["token_ids"] = []
         try:
             matcher = None if constraint is None else instance_or_none(constraint, Constraint, "constraint").matcher()
-            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher, should_stop)
+            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher, should_stop, top)
         except GeneratorExit:  # the caller stopped reading: the reply so far is the reply
             stats.notices.append("the stream was closed before the reply ended")
             self.messages.append(reply)
@@ -173,7 +181,8 @@ class Conversation:
             return
         self.messages.append(reply)
 
-    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher=None, should_stop=None):
+    def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher=None, should_stop=None,
+              top=None):
         stops = self.model.chat_format.stop_ids(tokenizer)
         session = self._session()
         stats.context = session.context
@@ -192,6 +201,8 @@ class Conversation:
         extra = {} if should_stop is None else {"should_stop": should_stop}
         if matcher is not None:
             extra["mask"] = matcher.mask(budget)
+        if top is not None:  # the sampled row read back with each id
+            extra["top_logprobs"], stats.logprobs = top, []
         next_id = session.prefill(ids[stats.reused:], sampling, **extra)
         first = time.perf_counter()
         stats.prefill_s = first - started
@@ -200,6 +211,8 @@ class Conversation:
             stats.finish_reason, stats.context_used = "stopped", session.position
             return
         self.cached = list(ids)
+        if top is not None:
+            next_id, logprob = next_id
         decoder = tokenizer.stream_decoder(at_text_start=False)
         holder = ToolCallHolder() if self.tools else None
         produced, finish = 0, "length"
@@ -215,6 +228,8 @@ class Conversation:
                 reply["token_ids"].append(next_id)
             produced += 1
             stats.completion_tokens = produced
+            if top is not None:
+                stats.logprobs.append(logprob.as_dict())
             shown = holder.push(piece) if holder else piece
             if shown:
                 yield shown
@@ -228,8 +243,12 @@ class Conversation:
                 finish = "stopped"
                 break
             self.cached.append(next_id)  # step() feeds it: its keys join the cache
-            mask = {} if matcher is None else {"mask": matcher.mask(budget - produced)}
-            next_id = session.step(sampling, **mask)
+            step = {} if matcher is None else {"mask": matcher.mask(budget - produced)}
+            if top is not None:
+                step["top_logprobs"] = top
+            next_id = session.step(sampling, **step)
+            if top is not None:
+                next_id, logprob = next_id
         if finish != "stop":
             tail = decoder.finish()
             reply["content"] += tail

@@ -304,8 +304,21 @@ def openai_logprobs(model, entries) -> dict | None:
 
     def one(entry) -> dict:
         token = entry.get("token")
-        text = model.decode([token]) if isinstance(token, int) else str(token)
-        return {"token": text, "logprob": float(entry.get("logprob", 0.0)), "bytes": list(text.encode("utf-8", "replace"))}
+        raw = _token_bytes(model, token) if isinstance(token, int) else None
+        if raw is None:
+            text = model.decode([token]) if isinstance(token, int) else str(token)
+            raw = text.encode("utf-8", "replace")
+        else:  # a token may end inside a UTF-8 character: its bytes are exact, its text is not
+            text = raw.decode("utf-8", "replace")
+        return {"token": text, "logprob": float(entry.get("logprob", 0.0)), "bytes": list(raw)}
 
     return {"content": [dict(one(e), top_logprobs=[one(t) for t in e.get("top_logprobs", ())]) for e in entries],
             "refusal": None}
+
+
+def _token_bytes(model, token: int) -> bytes | None:
+    """The bytes a token stands for (a GGUF tokenizer's ``token_bytes``), or None."""
+    tokenizer = model.tokenizer
+    if tokenizer is None or not hasattr(tokenizer, "token_bytes") or not 0 <= token < tokenizer.vocab_size:
+        return None
+    return bytes(tokenizer.token_bytes(token))

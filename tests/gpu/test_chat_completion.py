@@ -159,3 +159,24 @@ def test_smollm2_json_schema_reply_is_valid_json(smollm2):
     jsonschema.validate(reply, schema)
     assert "Paris" in reply["capital"]
 
+
+
+def test_sampling_extras_and_logprobs_reach_the_gpu_through_chat(model):
+    """chat's penalties, bias and logprobs are the session's: the same ids and logprobs as
+    ``generate`` over the rendered prompt, and OpenAI's logprobs field per completion token."""
+    ids = model.chat_format.render_ids(model.tokenizer, QUESTION)
+    options = dict(max_tokens=10, temperature=0.0, repetition_penalty=1.8, presence_penalty=0.5,
+                   penalty_last_n=-1, logit_bias={"120": 3.5})
+    plain = model.generate(ids=ids, **options, logprobs=True, top_logprobs=2)
+    answer = model.chat(QUESTION, **options, logprobs=True, top_logprobs=2)
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == plain.text and answer["usage"]["completion_tokens"] == len(plain.ids)
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(plain.ids) == len(plain.logprobs)
+    for entry, ours, token in zip(content, plain.logprobs, plain.ids):
+        assert entry["logprob"] == ours["logprob"] and ours["token"] == token
+        assert bytes(entry["bytes"]) == model.tokenizer.token_bytes(token)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == [t["logprob"] for t in ours["top_logprobs"]]
+    unpenalised = model.chat(QUESTION, max_tokens=10)
+    assert unpenalised["choices"][0]["logprobs"] is None
+    assert unpenalised["choices"][0]["message"]["content"] != plain.text  # the options changed the reply
