@@ -21,6 +21,8 @@ from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
+from .ladder import rung_weights
+from ..models.ladder import full_rung, rung
 from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit, probe_output
 from .ops import F32, causal_conv, conv_tail, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
@@ -51,16 +53,24 @@ def saturate_ids(ids) -> np.ndarray:
 
 @checked_methods
 class ReferenceModel:
-    """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile)."""
+    """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile).
 
-    def __init__(self, source):
+    ``depth`` (None: the file's own): run the depth-D rung of a full-depth file (§10, §U f);
+    ``geometry`` and ``weights`` are then the rung's, selected from the file's.
+    """
+
+    def __init__(self, source, depth=None):
         self.file = source if isinstance(source, cact.CactFile) else cact.load(source)
         self.geometry = self.file.geometry
         self.weights: Needle3Weights = load_weights(self.file)
+        self.rung = full_rung(self.geometry) if depth is None else rung(self.geometry, depth)
+        if not self.rung.full:
+            self.geometry = self.rung.geometry
+            self.weights = rung_weights(self.weights, self.rung)
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "ReferenceModel":
-        return cls(cact.load(path))
+    def from_path(cls, path: str | Path, depth=None) -> "ReferenceModel":
+        return cls(cact.load(path), depth)
 
     @property
     def head_rows(self) -> int:
