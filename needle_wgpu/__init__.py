@@ -1,14 +1,16 @@
 """needle-wgpu: a WebGPU inference engine for small language models (Needle 3 and dense GGUF models)."""
 
-from .errors import (ContainerError, DeviceError, DeviceLimitError, DeviceLostError, InputError,
+from .errors import (ContainerError, DepthError, DeviceError, DeviceLimitError, DeviceLostError, InputError,
                      NeedleError, OutOfMemoryError, UnsupportedModelError)
 
 __version__ = "0.1.0"
 
 
-def load(source=None, device=None, progress=None):
+def load(source=None, device=None, progress=None, depth=None):
     """Open a model file (a path or its bytes: .cact or GGUF, told by its magic) on a GPU device
     and return an ``api.Model``. ``progress(stage, done, total)`` is called while loading.
+    ``depth`` (Needle 3 only): run that rung of the file's ladder (spec §10; ``DepthError``
+    for a depth the file cannot give).
     No source: the default model (``cli.default_model``: the installed SmolLM2-135M-Instruct)."""
     import sys
 
@@ -19,7 +21,9 @@ def load(source=None, device=None, progress=None):
 
         source = default_model(lambda message: print(f"needle-wgpu: {message}", file=sys.stderr))
 
-    return Model.load(source, device=device, progress=progress)
+    if depth is None:
+        return Model.load(source, device=device, progress=progress)
+    return Model.load(source, device=device, progress=progress, depth=depth)
 
-__all__ = ["NeedleError", "ContainerError", "UnsupportedModelError", "InputError", "DeviceError",
+__all__ = ["NeedleError", "ContainerError", "UnsupportedModelError", "InputError", "DepthError", "DeviceError",
            "DeviceLostError", "OutOfMemoryError", "DeviceLimitError", "load", "__version__"]

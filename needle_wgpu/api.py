@@ -72,14 +72,15 @@ class Model:
         self.chat_format = gpu_model.chat  # the family's prompt/stop/parse rules
 
     @classmethod
-    def load(cls, source, device=None, progress=None) -> "Model":
+    def load(cls, source, device=None, progress=None, depth=None) -> "Model":
         """Open a model file (path or bytes; the family is told by its magic) on ``device``
-        (default: the native device)."""
+        (default: the native device). ``depth``: run that rung of a Needle 3 file's ladder
+        (§10) over the uploaded full-depth weights; ``DepthError`` where the file has none."""
         from .families import open_gpu_model
 
         instance_or_none(device, Device, "device", " (open one with needle_wgpu.gpu.open_device())")
         callback_or_none(progress, "progress")
-        return cls(open_gpu_model(source, device=device, progress=progress))
+        return cls(open_gpu_model(source, device=device, progress=progress, depth=depth))
 
     def describe(self) -> dict:
         """What the model is: family, geometry, sizes (the ``info`` command prints it)."""

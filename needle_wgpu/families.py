@@ -7,6 +7,7 @@ file, no GPU), ``open(parsed, device, progress) -> GpuModel`` and ``describe(par
 
 from __future__ import annotations
 
+from .errors import DepthError
 from .formats.source import Source
 from .models import dense, needle3
 
@@ -30,19 +31,33 @@ def family_of(source):
     return needle3
 
 
-def open_gpu_model(source, device=None, progress=None):
-    """Read, validate and upload a model file; ``device`` defaults to the native one."""
+def open_gpu_model(source, device=None, progress=None, depth=None):
+    """Read, validate and upload a model file; ``device`` defaults to the native one.
+    ``depth`` (None: the file's own) is for families with an elastic-depth ladder (Needle 3);
+    any other family refuses it with ``DepthError``."""
     family = family_of(source)
     parsed = family.read(source)  # a bad file fails before any device is opened
+    if depth is not None and family is not needle3:
+        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder")
+    if depth is not None:
+        needle3.rung(parsed.geometry, depth)  # refused before any device is opened
     if device is None:
         from .gpu import open_device
 
         device = open_device()
-    return family.open(parsed, device, progress=progress)
+    if depth is None:
+        return family.open(parsed, device, progress=progress)
+    return family.open(parsed, device, progress=progress, depth=depth)
 
 
-def describe(source, context=None) -> dict:
+def describe(source, context=None, depth=None) -> dict:
     """A model file's family, geometry and sizes without a GPU (``context``: what a session of
-    that many positions would allocate, where the family sizes its cache by it)."""
+    that many positions would allocate, where the family sizes its cache by it; ``depth``: the
+    rung of a Needle 3 file's ladder, ``DepthError`` for another family)."""
     family = family_of(source)
-    return family.describe(family.read(source), context=context)
+    if depth is not None and family is not needle3:
+        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder")
+    parsed = family.read(source)
+    if depth is None:
+        return family.describe(parsed, context=context)
+    return family.describe(parsed, context=context, depth=depth)

@@ -4,6 +4,8 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 
 from __future__ import annotations
 
+import copy
+
 from ..errors import InputError, NeedleError, NonFiniteWeightsError, UnsupportedModelError
 from ..formats import cact
 from ..formats.cact import CactFile
@@ -17,6 +19,7 @@ from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
 from ..prompt import Needle3Chat
 from .needle3_support import check_supported, widest_row_bytes
+from .ladder import Rung, full_rung, rung
 from .session import ChunkedSession, PlanKey, session_ids
 
 PREFILL_CHUNK = 64
@@ -34,21 +37,31 @@ def read(source) -> CactFile:
     return cact.load(source)
 
 
-def open(container: CactFile, device: Device, progress=None) -> "Needle3Gpu":
-    """Upload a validated container to ``device``."""
-    return Needle3Gpu(device, container, progress=progress)
+def open(container: CactFile, device: Device, progress=None, depth=None) -> "Needle3Gpu":
+    """Upload a validated container to ``device``; ``depth`` (None: the file's own) runs that
+    rung of the ladder (§10, §U f) over the uploaded weights (``Needle3Gpu.at_depth``)."""
+    if depth is not None:
+        rung(container.geometry, depth)  # a depth the file cannot give fails before any upload
+    model = Needle3Gpu(device, container, progress=progress)
+    return model if depth is None else model.at_depth(depth)
 
 
-def describe(container: CactFile, context=None) -> dict:
+def describe(container: CactFile, context=None, depth=None) -> dict:
     """A .cact file's geometry and layout, without a GPU (``needle-wgpu info``; sessions are
-    sized by the model's own context, so ``context`` changes nothing here)."""
+    sized by the model's own context, so ``context`` changes nothing here). ``depth``: the
+    rung it would run at (§10): ``geometry`` is then the rung's, with the stored ``blocks``."""
     g = container.geometry
-    return {"family": "needle3", "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
-            "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
-            "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
-            "heads": list(container.head_codes),
-            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0,
-            "warnings": container.warnings}
+    r = full_rung(g) if depth is None else rung(g, depth)
+    out = {"family": "needle3", "geometry": {k: getattr(r.geometry, k) for k in g.__dataclass_fields__},
+           "depth": r.depth,
+           "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
+           "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
+           "heads": list(container.head_codes),
+           "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0,
+           "warnings": container.warnings}
+    if not r.full:
+        out |= {"file_layers": g.num_layers, "blocks": list(r.blocks)}
+    return out
 
 
 @checked_methods
@@ -99,7 +112,27 @@ class Needle3Gpu:
                             for code, head in self.heads.items()}
         self.confidence = self.heads.get(probe_ops.CONFIDENCE)
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
+        # Elastic depth (§10): which stored layers run as blocks 0 … D − 1 (all of them here).
+        self.stored_geometry = g
+        self.rung: Rung = full_rung(g)
+        self.full = self
         report("upload", g.num_layers, g.num_layers)
+
+    def at_depth(self, depth) -> "Needle3Gpu":
+        """The depth-``depth`` rung of this full-depth model (§U f) over the same GPU weights:
+        the rung's blocks bind the full model's weight buffers (φ bands, FP16 windows, probe
+        rows at their stored offsets), so nothing is uploaded or copied. ``DepthError`` for a
+        depth the file cannot give."""
+        full = self.full
+        r = rung(full.stored_geometry, depth)
+        if r.full:
+            return full
+        view = copy.copy(full)
+        view.rung, view.geometry = r, r.geometry
+        view.layers = [full.layers[b] for b in r.blocks]
+        view.heads = {code: head.at_cells(r.cells) for code, head in full.heads.items()}
+        view.confidence = view.heads.get(probe_ops.CONFIDENCE)
+        return view
 
     @property
     def mix_width(self) -> int:
@@ -107,7 +140,10 @@ class Needle3Gpu:
         return 2 * n + n * n
 
     def describe(self) -> dict:
-        return describe(self.cact) | {"gpu_weight_bytes": self.weight_bytes}
+        """The file's description, the GPU weight bytes and the depth it runs at (with the
+        stored layers a rung runs; ``geometry`` is then the rung's)."""
+        depth = None if self.rung.full else self.rung.depth
+        return describe(self.cact, depth=depth) | {"gpu_weight_bytes": self.weight_bytes}
 
     @property
     def warnings(self) -> list:
@@ -144,10 +180,11 @@ class Needle3Session(ChunkedSession):
         self.int8 = wants_int8(kv)
         dev = self.device
         G = model.group
-        sites = len(g.engram_sites)
+        stored = model.stored_geometry  # Engram runs every stored site (a rung gates with its own)
+        sites = len(stored.engram_sites)
         # A prefill chunk is as long as the widest per-position scratch row allows under the
         # device's binding limit (64 on any real device).
-        widest = widest_row_bytes(g, G)
+        widest = widest_row_bytes(stored, G)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
         s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
@@ -208,7 +245,8 @@ class Needle3Session(ChunkedSession):
         arena = UniformArena(dev, capacity=1 << 17, label=f"uniforms.T{T}")
         plan = Plan(dev, f"chunk T={T}")
         step = Binding(self.step_uniform)
-        sites = len(g.engram_sites)
+        stored = m.stored_geometry
+        sites = len(stored.engram_sites)
         d_pad = _pad(d, G)
 
         cells = self.cells
@@ -216,31 +254,33 @@ class Needle3Session(ChunkedSession):
                         lanes=self.lanes, positions=T, cells=cells)
         # Engram keys and values for every site, once per chunk (§4.2).
         for s in range(sites):
-            engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[s], levels=m.levels,
+            engram_ops.fetch(plan, arena, step, geometry=stored, site=s, tables=m.engram_tables[s], levels=m.levels,
                              tokens=self.tokens, eh=self.eh, positions=T)
         if sites:
             cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
                       y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
-        engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
+        engram_ops.conv(plan, arena, step, geometry=stored, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
                         ring_size=self.ring, ev=self.ev, positions=T)
 
         qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         compiled = dev.pipeline_count
-        for layer in range(g.num_layers):
+        # Block ``layer`` runs stored layer ``kept`` (the same at full depth; a rung's blocks
+        # are its kept layers, §U f): stored tensors by ``kept``, lane and cell by ``layer``.
+        for layer, kept in enumerate(m.rung.blocks):
             if dev.pipeline_count != compiled:  # only report while new pipelines are compiling
                 m.report("compile", layer, g.num_layers)
             weights = m.layers[layer]
             mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T)
             cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
-                      y_stride=m.mix_width, row_start=layer * m.mix_width, rows=m.mix_width)
-            site = g.engram_site(layer)
+                      y_stride=m.mix_width, row_start=kept * m.mix_width, rows=m.mix_width)
+            site = stored.engram_site(kept)
             gate = mhc_ops.EngramGateInputs(self.ekv, self.ev, site, sites) if site >= 0 else None
-            mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=layer,
-                            lanes_n=n, width=d, group=G, positions=T, engram=gate)
+            mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=kept,
+                            lanes_n=n, width=d, group=G, positions=T, engram=gate, active_lane=layer % n)
             cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
                       y_stride=qkvg_width)
             shape = attention_ops.needle3_shape(g, layer)
-            attention_ops.qkv_post(plan, arena, step, shape=shape, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
+            attention_ops.qkv_post(plan, arena, step, shape=shape, layer=kept, fp16_store=m.fp16, qkvg=self.qkvg,
                                    ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
                                    cache=self.caches[layer], positions=T, int8=self.int8)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer],
@@ -248,8 +288,8 @@ class Needle3Session(ChunkedSession):
             cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
                       x_stride=_pad(g.attn_out, G), y_stride=d)
-            mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=layer,
-                            shape=m.hada_shape, lanes_n=n, positions=T, cells=cells,
+            mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=kept,
+                            shape=m.hada_shape, lanes_n=n, positions=T, cells=cells, cell_index=layer + 1,
                             cell_stride=(g.num_layers + 1) * d)
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
@@ -279,7 +319,7 @@ class Needle3Session(ChunkedSession):
             for cell in range(C):
                 cq.matmul(plan, arena, m.head_probes[code], m.levels, self.cellsh, scores, positions=T,
                           x_stride=C * d_pad, x_offset=cell * d_pad, y_stride=C * k, y_offset=cell * k,
-                          row_start=cell * k, rows=k)
+                          row_start=m.rung.cells[cell] * k, rows=k)
             probe_ops.pool(plan, arena, Binding(self.step_uniform), scores=scores, cells=self.cells, state=state,
                            tokens=self.tokens, d=d, positions=T, probes=C * k, per_cell=k, cells_count=C)
 
