@@ -171,6 +171,7 @@ class Needle3Session(ChunkedSession):
     """
 
     supports_mask = True  # the sampler reads self.mask when the plan key says so
+    supports_verify = True  # PlanKey.every_position: a sampler after every position
 
     def __init__(self, model: Needle3Gpu, context=None, kv="f32", confidence=False, heads=()):
         g = model.geometry
@@ -231,6 +232,10 @@ class Needle3Session(ChunkedSession):
                 self.pools[code] = (scores, state)
         self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
                                              chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
+        # Stepping back over the last T positions is exact: a local layer's ring holds T − 1
+        # slots beyond its window and the conv rings more than T + their taps, so the positions
+        # a rewound chunk reads again were never overwritten. The probe pools cannot un-fold.
+        self.max_rewind = 0 if self.pools else T
 
     # ------------------------------------------------------------------ plans
     def _build(self, key: PlanKey) -> Plan:
@@ -301,7 +306,12 @@ class Needle3Session(ChunkedSession):
             self._build_probe_pool(plan, arena, T)
         if dev.pipeline_count != compiled:
             m.report("compile", g.num_layers, g.num_layers)
-        if sample is not None:
+        if sample is not None and key.every_position and key.all_logits:  # speculative verify
+            for t in range(T):  # the id after position pos0 + t goes to tokens[pos0 + t + 1]
+                sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=t * g.head_rows,
+                                  rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
+                                  positions=t + 1, sampling=sample)
+        elif sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=sample, mask=self.mask if key.mask else None)
