@@ -23,7 +23,8 @@ def run_benchmark(args) -> dict:
 
     path = args.model or str(default_model())
     started = time.perf_counter()
-    model = load(path, progress=Progress())
+    depth = getattr(args, "depth", None)
+    model = load(path, progress=Progress()) if depth is None else load(path, progress=Progress(), depth=depth)
     load_s = time.perf_counter() - started
     g = model.geometry
     device = model.gpu.device
@@ -75,6 +76,14 @@ def run_benchmark(args) -> dict:
         "last_token": next_id,
     }
     session.close()
+    if depth is not None:
+        result["depth"] = model.describe()["depth"]
+    rungs = getattr(args, "rungs", None)
+    if rungs:
+        result["rungs"] = [_rung_speed(model.gpu, d, prompt, decode_tokens) for d in _depths(rungs, model.gpu)]
+    pairs = getattr(args, "speculative", None)
+    if pairs is not None:
+        result["speculative"] = _speculative_speeds(model.gpu, pairs, prompt, decode_tokens)
     if args.reference:
         reference_speed = {"needle3": _reference_speed, "dense": _llamacpp_speed}[described["family"]]
         result.update(reference_speed(path, prompt, decode_tokens))
@@ -131,3 +140,99 @@ def _llamacpp_speed(path, prompt, decode_tokens) -> dict:
     return {"reference": f"llama.cpp CPU (xllamacpp {getattr(xllamacpp, '__version__', '?')}), {threads} threads",
             "reference_prefill_tok_s": round(timings["prompt_per_second"], 3),
             "reference_decode_tok_s": round(timings["predicted_per_second"], 3)}
+
+
+def _depths(requested, gpu) -> list:
+    """``--rungs``: depths as given ("all": every rung 2 … L of the file)."""
+    layers = gpu.full.stored_geometry.num_layers
+    if "all" in requested:
+        return list(range(min(2, layers), layers + 1))
+    from .errors import DepthError
+
+    try:
+        return [int(d) for d in requested]
+    except ValueError:
+        raise DepthError(f"--rungs: {requested!r} are not whole numbers (or 'all')") from None
+
+
+def _rung_speed(gpu, depth: int, prompt: list, decode_tokens: int) -> dict:
+    """Prefill and greedy decode speed of one rung over the loaded weights (warm-up first)."""
+    from .sampling import Sampling
+
+    greedy = Sampling()
+    rung = gpu.full.at_depth(depth)
+    context = len(prompt) + decode_tokens + 2
+    warm = rung.session(context=context)
+    warm.prefill(prompt[: warm.chunk], greedy)
+    warm.step(greedy)
+    warm.close()
+    session = rung.session(context=context)
+    t0 = time.perf_counter()
+    session.prefill(prompt, greedy)
+    prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(decode_tokens):
+        session.step(greedy)
+    decode_s = time.perf_counter() - t1
+    session.close()
+    return {"depth": depth, "prefill_tok_s": round(len(prompt) / max(prefill_s, 1e-9), 3),
+            "decode_tok_s": round(decode_tokens / max(decode_s, 1e-9), 3)}
+
+
+def speculative_pairs(text_pairs, layers: int) -> list:
+    """``--speculative D,K ...`` as (depth, k) pairs; none given: depths 2, L/4, L/2 (below L)
+    with k 2 and 4."""
+    if text_pairs:
+        out = []
+        for text in text_pairs:
+            try:
+                depth, k = (int(v) for v in str(text).split(","))
+            except ValueError:
+                from .errors import InputError
+
+                raise InputError(f"--speculative: {text!r} is not DEPTH,K") from None
+            out.append((depth, k))
+        return out
+    depths = sorted({d for d in (2, layers // 4, layers // 2) if 2 <= d < layers})
+    return [(d, k) for d in depths for k in (2, 4)]
+
+
+def _speculative_speeds(gpu, text_pairs, prompt: list, decode_tokens: int) -> dict:
+    """Greedy self-speculative decoding for each (depth, k): tok/s over the same prompt and
+    budget as the plain decode, acceptance, and whether its ids equal the plain ones."""
+    from .sampling import Sampling
+    from .speculative import SpeculativeDecoder, speculative_option
+
+    greedy = Sampling()
+    layers = gpu.full.stored_geometry.num_layers
+    context = len(prompt) + decode_tokens + 2
+    plain = gpu.session(context=context)  # the baseline, timed in the same conditions
+    plain_ids = [plain.prefill(prompt, greedy)]
+    t0 = time.perf_counter()
+    plain_ids += [plain.step(greedy) for _ in range(decode_tokens)]
+    plain_tok_s = round(decode_tokens / max(time.perf_counter() - t0, 1e-9), 3)
+    plain.close()
+    runs = []
+    for pair in speculative_pairs(text_pairs, layers):
+        depth, k = speculative_option(pair, layers, gpu.geometry.num_layers)
+        timing = None
+        for attempt in range(2):  # the first run compiles the verify plans: timed is the second
+            full, draft = gpu.session(context=context), gpu.at_depth(depth).session(context=context)
+            decoder = SpeculativeDecoder(full, draft, k, greedy)
+            ids = [decoder.start(prompt)]
+            t0 = time.perf_counter()
+            while len(ids) < decode_tokens + 1:
+                ids += decoder.round()
+            timing = time.perf_counter() - t0
+            full.close()
+            draft.close()
+        produced = len(ids) - 1
+        tok_s = produced / max(timing, 1e-9)
+        runs.append({"depth": depth, "k": decoder.k, "decode_tok_s": round(tok_s, 3),
+                     "acceptance": round(decoder.acceptance, 4), "rounds": decoder.rounds,
+                     "ids_equal_plain": ids[: decode_tokens + 1] == plain_ids,
+                     "over_plain": round(tok_s / max(plain_tok_s, 1e-9), 3)})
+    best = max(runs, key=lambda r: r["decode_tok_s"], default=None)
+    faster = best is not None and best["decode_tok_s"] > plain_tok_s
+    return {"plain_decode_tok_s": plain_tok_s, "runs": runs,
+            "fastest": ({"speculative": [best["depth"], best["k"]]} if faster else {"speculative": None})}

@@ -70,3 +70,15 @@ def test_every_rung_of_a_file_runs_and_the_full_depth_is_the_file():
     assert shallow.shape == full.shape and np.isfinite(shallow).all() and np.abs(shallow - full).max() > 1e-2
     with pytest.raises(DepthError, match="rungs 2 to 4"):
         ReferenceModel(upstream_file("small"), depth=5)
+
+
+def test_info_depth_on_the_command_line(capsys):
+    import json
+
+    from needle_wgpu import cli
+
+    assert cli.main(["info", str(upstream_file("small")), "--depth", "3"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["depth"] == 3 and info["blocks"] == [0, 1, 3] and info["geometry"]["global_layers"] == []
+    assert cli.main(["info", str(upstream_file("small")), "--depth", "7"]) == 2
+    assert "rungs 2 to 4" in capsys.readouterr().err

@@ -83,3 +83,18 @@ def test_dense_files_have_no_depth(device, tmp_path):
     path = write_dense_gguf(tmp_path / "tiny.gguf", SynthDense())
     with pytest.raises(DepthError, match="only Needle 3"):
         needle_wgpu.load(path, device=device, depth=2)
+
+
+def test_logits_command_at_a_depth(capsys):
+    import json
+
+    from needle_wgpu import cli
+
+    z = oracle("small-rung3")
+    ids = z["len7.ids"].tolist()
+    assert cli.main(["logits", str(upstream_file("small")), "--ids", ",".join(map(str, ids)), "--depth", "3",
+                     "--last", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["depth"] == 3 and len(out["logits"]) == 1
+    rel, mismatches = logit_error(np.array(out["logits"]), z["len7.logits"][-1:])
+    assert rel <= 1e-4 and mismatches == 0
