@@ -181,11 +181,10 @@ class Needle3Session(ChunkedSession):
         self.int8 = wants_int8(kv)
         dev = self.device
         G = model.group
-        stored = model.stored_geometry  # Engram runs every stored site (a rung gates with its own)
-        sites = len(stored.engram_sites)
+        sites = len(g.engram_sites)  # a rung's: only its kept sites run (§U f)
         # A prefill chunk is as long as the widest per-position scratch row allows under the
         # device's binding limit (64 on any real device).
-        widest = widest_row_bytes(stored, G)
+        widest = widest_row_bytes(g, G)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         self.ring = 1 << (T + max(g.qkv_conv_taps, 1) - 1 + (g.engram_conv_taps - 1) * g.engram_conv_dilation).bit_length()
         s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
@@ -250,22 +249,27 @@ class Needle3Session(ChunkedSession):
         arena = UniformArena(dev, capacity=1 << 17, label=f"uniforms.T{T}")
         plan = Plan(dev, f"chunk T={T}")
         step = Binding(self.step_uniform)
-        stored = m.stored_geometry
-        sites = len(stored.engram_sites)
+        sites = len(g.engram_sites)
+        stored_sites = m.rung.sites  # site s runs the stored site stored_sites[s] (§U f)
         d_pad = _pad(d, G)
 
         cells = self.cells
         embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
                         lanes=self.lanes, positions=T, cells=cells)
         # Engram keys and values for every site, once per chunk (§4.2).
-        for s in range(sites):
-            engram_ops.fetch(plan, arena, step, geometry=stored, site=s, tables=m.engram_tables[s], levels=m.levels,
+        for s, kept in enumerate(stored_sites):
+            engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[kept], levels=m.levels,
                              tokens=self.tokens, eh=self.eh, positions=T)
-        if sites:
+        if sites and m.rung.full:
             cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
                       y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
-        engram_ops.conv(plan, arena, step, geometry=stored, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
-                        ring_size=self.ring, ev=self.ev, positions=T)
+        else:  # a rung: each kept site's band of the stored key/value projections
+            for s, kept in enumerate(stored_sites):
+                cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
+                          x_offset=s * T * self.eh_width, y_stride=sites * 2 * d, y_offset=s * 2 * d,
+                          row_start=kept * 2 * d, rows=2 * d)
+        engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
+                        ring_size=self.ring, ev=self.ev, positions=T, stored_sites=stored_sites)
 
         qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         compiled = dev.pipeline_count
@@ -278,7 +282,7 @@ class Needle3Session(ChunkedSession):
             mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T)
             cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
                       y_stride=m.mix_width, row_start=kept * m.mix_width, rows=m.mix_width)
-            site = stored.engram_site(kept)
+            site = g.engram_site(layer)
             gate = mhc_ops.EngramGateInputs(self.ekv, self.ev, site, sites) if site >= 0 else None
             mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=kept,
                             lanes_n=n, width=d, group=G, positions=T, engram=gate, active_lane=layer % n)

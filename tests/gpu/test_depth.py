@@ -98,3 +98,18 @@ def test_logits_command_at_a_depth(capsys):
     assert out["depth"] == 3 and len(out["logits"]) == 1
     rel, mismatches = logit_error(np.array(out["logits"]), z["len7.logits"][-1:])
     assert rel <= 1e-4 and mismatches == 0
+
+
+@pytest.mark.parametrize("kind, depth", [("mixed", 3), ("mixed", 2), ("no-engram", 2)])
+def test_rungs_of_valid_variants_match_the_reference(device, kind, depth):
+    """A rung runs only its kept Engram sites, each a band of the stored key/value pack (here
+    of several CQ widths): GPU against the NumPy reference at the same depth."""
+    from needle_wgpu.reference.model import ReferenceModel
+    from upstream_fixtures import variant
+
+    data = variant(kind)
+    model = needle_wgpu.load(data, device=device, depth=depth)
+    ids = oracle("small")["len40.ids"].tolist()
+    want = ReferenceModel(data, depth=depth).forward_sequence(ids)
+    rel, mismatches = logit_error(np.array(model.logits(ids)), want)
+    assert rel <= 1e-4 and mismatches == 0, (rel, mismatches)
