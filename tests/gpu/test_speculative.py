@@ -30,6 +30,7 @@ def small(device):
     return needle_wgpu.load(upstream_file("small"), device=device)
 
 
+@pytest.mark.slow  # ~10 s on lavapipe: 130 positions, two sessions, many chunk lengths
 def test_verify_and_rewind_match_a_fresh_prefill(tiny):
     """Random chunks verified, a random prefix kept, the rest rewound, far past the sliding
     window (16) and the conv rings: every id the session gives after a kept prefix is the
@@ -80,6 +81,7 @@ def test_rewinds_beyond_the_rings_are_refused(tiny):
         pooled.rewind(2)  # the probe pools cannot forget a position
 
 
+@pytest.mark.slow  # ~8 s each on lavapipe
 @pytest.mark.parametrize("seed, depth, k", [(0, 2, 3), (1, 3, 5)])
 def test_speculative_greedy_equals_plain_greedy_on_random_models(device, seed, depth, k):
     model = needle_wgpu.load(synthesize("tiny", seed), device=device)
@@ -93,6 +95,7 @@ def test_speculative_greedy_equals_plain_greedy_on_random_models(device, seed, d
         assert stats["accepted"] <= stats["drafted"] and stats["rounds"] > 0
 
 
+@pytest.mark.slow  # ~12 s on lavapipe
 def test_speculative_greedy_equals_plain_greedy_on_the_fixture(small):
     z = oracle("small")
     for seq, depth, k in (("len7", 2, 4), ("len100", 3, 8)):
