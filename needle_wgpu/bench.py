@@ -199,40 +199,50 @@ def speculative_pairs(text_pairs, layers: int) -> list:
 
 def _speculative_speeds(gpu, text_pairs, prompt: list, decode_tokens: int) -> dict:
     """Greedy self-speculative decoding for each (depth, k): tok/s over the same prompt and
-    budget as the plain decode, acceptance, and whether its ids equal the plain ones."""
+    budget as plain greedy decoding timed alongside, acceptance, and whether its ids equal the
+    plain ones. Each is run twice over the same sessions (rewound to the prompt's end), the
+    second run timed: plans are built (and pipelines compiled) by the first."""
     from .sampling import Sampling
-    from .speculative import SpeculativeDecoder, speculative_option
+    from .speculative import MAX_DRAFT, SpeculativeDecoder, speculative_option
 
     greedy = Sampling()
     layers = gpu.full.stored_geometry.num_layers
-    context = len(prompt) + decode_tokens + 2
-    plain = gpu.session(context=context)  # the baseline, timed in the same conditions
-    plain_ids = [plain.prefill(prompt, greedy)]
-    t0 = time.perf_counter()
-    plain_ids += [plain.step(greedy) for _ in range(decode_tokens)]
-    plain_tok_s = round(decode_tokens / max(time.perf_counter() - t0, 1e-9), 3)
+    end = len(prompt)
+    context = end + decode_tokens + MAX_DRAFT + 3  # rounds never shrink before the budget is out
+    plain = gpu.session(context=context)
+    # Rewinds reach back at most max_rewind positions: the timed budget fits inside them.
+    decode_tokens = max(1, min(decode_tokens, plain.max_rewind - MAX_DRAFT - 2))
+    first = plain.prefill(prompt, greedy)
+    for _ in range(2):
+        plain.rewind(end)
+        t0 = time.perf_counter()
+        plain_ids = [first] + [plain.step(greedy) for _ in range(decode_tokens)]
+        plain_s = time.perf_counter() - t0
     plain.close()
+    plain_tok_s = round(decode_tokens / max(plain_s, 1e-9), 3)
     runs = []
     for pair in speculative_pairs(text_pairs, layers):
         depth, k = speculative_option(pair, layers, gpu.geometry.num_layers)
-        timing = None
-        for attempt in range(2):  # the first run compiles the verify plans: timed is the second
-            full, draft = gpu.session(context=context), gpu.at_depth(depth).session(context=context)
-            decoder = SpeculativeDecoder(full, draft, k, greedy)
-            ids = [decoder.start(prompt)]
+        full, draft = gpu.session(context=context), gpu.at_depth(depth).session(context=context)
+        decoder = SpeculativeDecoder(full, draft, k, greedy)
+        decoder.start(prompt)
+        for _ in range(2):
+            full.rewind(end)
+            draft.rewind(end)
+            decoder.pending, decoder.rounds, decoder.drafted, decoder.accepted = first, 0, 0, 0
+            ids = [first]
             t0 = time.perf_counter()
             while len(ids) < decode_tokens + 1:
                 ids += decoder.round()
             timing = time.perf_counter() - t0
-            full.close()
-            draft.close()
-        produced = len(ids) - 1
-        tok_s = produced / max(timing, 1e-9)
+        full.close()
+        draft.close()
+        tok_s = (len(ids) - 1) / max(timing, 1e-9)
         runs.append({"depth": depth, "k": decoder.k, "decode_tok_s": round(tok_s, 3),
                      "acceptance": round(decoder.acceptance, 4), "rounds": decoder.rounds,
                      "ids_equal_plain": ids[: decode_tokens + 1] == plain_ids,
                      "over_plain": round(tok_s / max(plain_tok_s, 1e-9), 3)})
     best = max(runs, key=lambda r: r["decode_tok_s"], default=None)
     faster = best is not None and best["decode_tok_s"] > plain_tok_s
-    return {"plain_decode_tok_s": plain_tok_s, "runs": runs,
-            "fastest": ({"speculative": [best["depth"], best["k"]]} if faster else {"speculative": None})}
+    return {"decode_tokens": decode_tokens, "plain_decode_tok_s": plain_tok_s, "runs": runs,
+            "fastest": {"speculative": [best["depth"], best["k"]] if faster else None}}
