@@ -122,3 +122,13 @@ def test_speculative_option(bad, error):
     assert speculative.speculative_option((4, 1e9), 20) == (4, speculative.MAX_DRAFT)
     assert speculative.speculative_option((4, float("nan")), 20) == (4, 4)
     assert speculative.speculative_option(None, 20) is None
+
+
+def test_bench_pairs():
+    from needle_wgpu.bench import speculative_pairs
+
+    assert speculative_pairs(["2,4", "10,2"], 20) == [(2, 4), (10, 2)]
+    assert speculative_pairs([], 20) == [(d, k) for d in (2, 5, 10) for k in (2, 4)]
+    assert speculative_pairs([], 4) == [(2, 2), (2, 4)]
+    with pytest.raises(InputError):
+        speculative_pairs(["2;4"], 20)
