@@ -228,7 +228,7 @@ def _speculative_speeds(gpu, text_pairs, prompt: list, decode_tokens: int) -> di
     def run_speculative(decoder):
         decoder.full.rewind(end)
         decoder.draft.rewind(end)
-        decoder.pending, decoder.rounds, decoder.drafted, decoder.accepted = first, 0, 0, 0
+        decoder.pending, decoder.lag, decoder.rounds, decoder.drafted, decoder.accepted = first, None, 0, 0, 0
         ids = [first]
         while len(ids) < decode_tokens + 1:
             ids += decoder.round()

@@ -123,6 +123,7 @@ class SpeculativeDecoder:
         self.k = min(k, full.chunk - 1, full.max_rewind - 1 if not full.rewindable else k,
                      draft.max_rewind - 1 if not draft.rewindable else k)
         self.pending = None  # the next id, not yet fed to either session
+        self.lag = None  # an id the draft session has still to feed before the pending one
         self.rng = random.Random(sampling.seed)
         self.rounds = self.drafted = self.accepted = 0
 
@@ -155,6 +156,11 @@ class SpeculativeDecoder:
         self.pending = ids[-1]
         return ids
 
+    def _catch_up(self, x: int) -> list:
+        """The ids the draft session feeds next: the one it lags by (if any), then x."""
+        lag, self.lag = self.lag, None
+        return [x] if lag is None else [lag, x]
+
     def _plain_step(self) -> int:
         full, x = self.full, self.pending
         if self.sampling.greedy:
@@ -162,14 +168,19 @@ class SpeculativeDecoder:
             next_id = full.step(self.sampling)
         else:
             next_id = draw(distribution(full.last_logits([x]), self.sampling), self.rng.random())
-        self.draft.prefill([x])
+        self.draft.prefill(self._catch_up(x))
         return next_id
 
     def _greedy_round(self, x: int, start: int, k: int) -> list:
         full, draft = self.full, self.draft
-        draft.device.write(draft.tokens, x.to_bytes(4, "little"), 4 * start)
-        drafts = draft.draft(k, self.sampling)
-        verified = full.verify([x] + drafts)
+        feed = self._catch_up(x)
+        if len(feed) == 1:
+            draft.device.write(draft.tokens, x.to_bytes(4, "little"), 4 * start)
+            draft.draft(k, self.sampling, read=False)
+        else:  # the id it lags by and x in one chunk that samples the first draft
+            draft._run_chunk(feed, self.sampling)
+            draft.draft(k - 1, self.sampling, read=False)
+        drafts, verified = full.verify_drafts(x, draft, k)
         n = 0
         while n < k and drafts[n] == verified[n]:
             n += 1
@@ -179,9 +190,11 @@ class SpeculativeDecoder:
     def _sampled_round(self, x: int, start: int, k: int) -> list:
         full, draft = self.full, self.draft
         drafts, q_rows, previous = [], [], x
+        feed = self._catch_up(x)
         for _ in range(k):
-            q = distribution(draft.last_logits([previous]), self.sampling)
+            q = distribution(draft.last_logits(feed), self.sampling)
             previous = draw(q, self.rng.random())
+            feed = [previous]
             drafts.append(previous)
             q_rows.append(q)
         p_rows = [distribution(row, self.sampling) for row in full.all_logits([x] + drafts)]
@@ -197,5 +210,5 @@ class SpeculativeDecoder:
         self.full.rewind(start + n + 1)
         if n < k:
             self.draft.rewind(start + n + 1)
-        else:  # every draft agreed: the draft session has not fed its last one yet
-            self.draft.prefill(drafts[-1:])
+        else:  # every draft agreed: the draft session feeds its last one with the next round's
+            self.lag = drafts[-1]

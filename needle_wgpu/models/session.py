@@ -173,9 +173,10 @@ class ChunkedSession:
                               + (f"; at most {self.max_rewind} positions back)" if self.max_rewind else ")"))
         self.position = position
 
-    def draft(self, count: int, sampling: Sampling) -> list:
+    def draft(self, count: int, sampling: Sampling, read: bool = True) -> list:
         """``count`` decode steps from the id already at ``tokens[position]`` (each step's id
-        goes into the next position's slot), then one readback of the ``count`` ids."""
+        goes into the next position's slot), then one readback of the ``count`` ids (none with
+        ``read`` false: ``verify_drafts`` copies them on the GPU)."""
         self._check()
         sampling = session_sampling(sampling, self.logit_rows, required=True)
         count = clamp_count(count, 0, self.context - 1 - self.position, 0)
@@ -185,9 +186,32 @@ class ChunkedSession:
             dev.write(self.step_uniform, struct.pack("<4I", start + i, 0, 0, 0))
             dev.run(plan)
         self.position += count
-        if count == 0:
+        if count == 0 or not read:
             return []
         return list(struct.unpack(f"<{count}I", dev.read(self.tokens, 4 * count, 4 * (start + 1))))
+
+    def verify_drafts(self, first: int, source: "ChunkedSession", count: int) -> tuple:
+        """``verify([first] + drafts)`` where the drafts are the ``count`` ids another session
+        of the same device left in its ``tokens`` right after this session's position (its
+        ``draft``): copied buffer to buffer, so the draft session is never waited for before
+        the verify is submitted. Returns (drafts, verified ids)."""
+        self._check()
+        if not self.supports_verify:
+            raise UnsupportedModelError("this model family's sessions cannot verify drafts")
+        start, T, dev = self.position, count + 1, self.device
+        if source.device is not dev or not 0 < T <= self.chunk or start + T >= min(self.context, source.context):
+            raise InputError(f"verify takes 1 to {self.chunk} ids that leave room for one more position")
+        dev.write(self.tokens, struct.pack("<I", first & 0xFFFFFFFF), 4 * start)
+        if count:
+            dev.run(copies=[(source.tokens, 4 * (start + 1), self.tokens, 4 * (start + 1), 4 * count)])
+        dev.write(self.step_uniform, struct.pack("<4I", start, 0, 0, 0))
+        dev.run(self._plan(PlanKey(T, GREEDY, True, False, True)))
+        self.position += T
+        verified = list(struct.unpack(f"<{T}I", dev.read(self.tokens, 4 * T, 4 * (start + 1))))
+        drafts = list(struct.unpack(f"<{count}I", dev.read(source.tokens, 4 * count, 4 * (start + 1)))) if count else []
+        if count:  # as verify: the chunk's own ids back where the samplers wrote
+            dev.write(self.tokens, struct.pack(f"<{count}I", *drafts), 4 * (start + 1))
+        return drafts, verified
 
     def verify(self, ids: list) -> list:
         """Feed ``ids`` (one chunk) and return the greedy id after each of them: one plan (the

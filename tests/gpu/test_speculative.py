@@ -133,3 +133,38 @@ def test_k_saturates(small):
     for k in (0, -5, 1e9, float("nan")):
         out = small.generate(ids=ids, max_tokens=8, speculative=(2, k))
         assert 1 <= out.timings["speculative"]["k"] <= 16
+
+
+@pytest.mark.slow  # ~10 s on lavapipe
+def test_rejected_drafts_leave_greedy_output_unchanged(tiny):
+    """A draft session whose ids are half of the time replaced by random ones (after it ran
+    them): many rejections at every offset, corrections, rewinds of both sessions and the
+    draft's catch-up still give exactly the full model's greedy ids."""
+    from needle_wgpu.speculative import SpeculativeDecoder
+
+    rng = random.Random(2)
+    device = tiny.gpu.device
+    drafted = accepted = 0
+    for trial in range(3):
+        ids = [2] + [rng.randrange(4, 500) for _ in range(20)]
+        plain = tiny.gpu.session(context=80)
+        want = [plain.prefill(ids, GREEDY)] + [plain.step(GREEDY) for _ in range(40)]
+        draft = tiny.gpu.at_depth(2).session(context=80)
+        run_draft = draft.draft
+
+        def corrupted(count, sampling, read=True, run_draft=run_draft, draft=draft):
+            start = draft.position
+            out = run_draft(count, sampling, read)
+            for i in range(count):
+                if rng.random() < 0.5:
+                    device.write(draft.tokens, rng.randrange(500).to_bytes(4, "little"), 4 * (start + 1 + i))
+            return out
+
+        draft.draft = corrupted
+        decoder = SpeculativeDecoder(tiny.gpu.session(context=80), draft, 2 + trial, GREEDY)
+        got = [decoder.start(ids)]
+        while len(got) < len(want):
+            got += decoder.round()
+        assert got[: len(want)] == want, trial
+        drafted, accepted = drafted + decoder.drafted, accepted + decoder.accepted
+    assert 0 < accepted < drafted / 2  # rejections and acceptances both happened
