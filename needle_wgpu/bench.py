@@ -184,7 +184,7 @@ def _rung_speed(gpu, depth: int, prompt: list, decode_tokens: int) -> dict:
 
 def speculative_pairs(text_pairs, layers: int) -> list:
     """``--speculative D,K ...`` as (depth, k) pairs; none given: depths 2, L/4, L/2 (below L)
-    with k 2 and 4."""
+    with k 3 and 7 (verify chunks of 4 and 8 positions: the CPU adapter's matmul tiles)."""
     if text_pairs:
         out = []
         for text in text_pairs:
@@ -197,7 +197,7 @@ def speculative_pairs(text_pairs, layers: int) -> list:
             out.append((depth, k))
         return out
     depths = sorted({d for d in (2, layers // 4, layers // 2) if 2 <= d < layers})
-    return [(d, k) for d in depths for k in (2, 4)]
+    return [(d, k) for d in depths for k in (3, 7)]
 
 
 REPEATS = 3  # timed runs per configuration, interleaved; the fastest counts (a shared machine)

@@ -128,7 +128,7 @@ def test_bench_pairs():
     from needle_wgpu.bench import speculative_pairs
 
     assert speculative_pairs(["2,4", "10,2"], 20) == [(2, 4), (10, 2)]
-    assert speculative_pairs([], 20) == [(d, k) for d in (2, 5, 10) for k in (2, 4)]
-    assert speculative_pairs([], 4) == [(2, 2), (2, 4)]
+    assert speculative_pairs([], 20) == [(d, k) for d in (2, 5, 10) for k in (3, 7)]
+    assert speculative_pairs([], 4) == [(2, 3), (2, 7)]
     with pytest.raises(InputError):
         speculative_pairs(["2;4"], 20)
