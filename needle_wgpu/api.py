@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .errors import NeedleError, UnsupportedModelError
+from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
 from .gpu.device import Device
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
                      optional_text, stop_strings)
@@ -76,15 +76,17 @@ class Model:
         self.chat_format = gpu_model.chat  # the family's prompt/stop/parse rules
 
     @classmethod
-    def load(cls, source, device=None, progress=None, numerics="float") -> "Model":
+    def load(cls, source, device=None, progress=None, numerics="float", depth=None) -> "Model":
         """Open a model file (path or bytes; the family is told by its magic) on ``device``
         (default: the native device). ``numerics``: "float" or "deploy" (Needle 3 only:
-        upstream's quant=True arithmetic, docs/api.md "Numerics")."""
+        upstream's quant=True arithmetic, docs/api.md "Numerics"). ``depth``: run that rung of
+        a Needle 3 file's ladder (§10) over the uploaded full-depth weights; ``DepthError``
+        where the file has none."""
         from .families import open_gpu_model
 
         instance_or_none(device, Device, "device", " (open one with needle_wgpu.gpu.open_device())")
         callback_or_none(progress, "progress")
-        return cls(open_gpu_model(source, device=device, progress=progress, numerics=numerics))
+        return cls(open_gpu_model(source, device=device, progress=progress, numerics=numerics, depth=depth))
 
     def describe(self) -> dict:
         """What the model is: family, geometry, sizes (the ``info`` command prints it)."""
@@ -130,13 +132,19 @@ class Model:
                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv=None, context=None,
                constrained=None, result: GenerationResult | None = None, should_stop=None, min_p=0.0,
                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=64,
-               logit_bias=None, logprobs=False, top_logprobs=0):
+               logit_bias=None, logprobs=False, top_logprobs=0, speculative=None):
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end.
 
         Sampling options saturate as ``Sampling.saturate`` says (docs/api.md). ``logprobs``:
         ``result.logprobs`` gets each produced token's logprob and its ``top_logprobs`` (0 to 20)
         most likely alternatives, from one readback of the logits row per token
         (``needle_wgpu.logprobs``); without it a step reads back only the id.
+
+        ``speculative=(depth, k)`` (Needle 3): self-speculative decoding, the depth-``depth``
+        rung of the same weights drafting ``k`` ids per round for the full model to verify
+        (``needle_wgpu.speculative``); greedy output is unchanged, sampled output follows the
+        speculative-sampling rule. Not with constrained decoding, logprobs, penalties,
+        logit_bias or min_p.
 
         ``constrained`` (default: on for tool calls, where the family has an answer grammar):
         every sampled id keeps the answer inside the grammar (tool names, schema-valid
@@ -152,6 +160,7 @@ class Model:
         instance_or_none(result, GenerationResult, "result")
         callback_or_none(should_stop, "should_stop")
         matcher = self._matcher(tools, constrained, query is not None or tools is not None)
+        spec = self._speculative(speculative, matcher)
         request = self.encode_request(prompt, query=query, tools=tools, system=system, ids=ids)
         request, clamped = saturate_ids(request, vocab=g.vocab)
         sampling = Sampling.saturate(temperature, top_k, top_p, seed, vocab=g.head_rows, min_p=min_p,
@@ -159,6 +168,9 @@ class Model:
                                      frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
                                      logit_bias=logit_bias)
         top = saturate_top_logprobs(top_logprobs) if flag(logprobs, "logprobs") else None
+        if spec is not None and (top is not None or sampling.processes_logits or sampling.min_p > 0):
+            raise InputError("speculative decoding takes temperature, top_k, top_p and seed only (no logprobs, "
+                             "penalties, logit_bias or min_p)")
         stops = self.chat_format.stop_ids(self.tokenizer)
         stop_texts = stop_strings(stop)
         out = GenerationResult("", [], "empty", len(request), clamped)
@@ -172,8 +184,10 @@ class Model:
         # Tool-call requests score confidence in the same forward, when the model has a head
         # it can finish (a head over the host budget leaves generation unscored, not refused).
         scored = (query is not None or tools is not None) and _servable_head(getattr(self.gpu, "confidence", None))
-        session = self.gpu.session(context=context, kv=kv, confidence=True) if scored else \
+        pooled = scored and spec is None  # speculative sessions rewind: they score afterwards
+        session = self.gpu.session(context=context, kv=kv, confidence=True) if pooled else \
             self.gpu.session(context=context, kv=kv)
+        speculator = queue = None
         try:
             # prompt + completion <= context. A prompt that fills the context (or is longer),
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
@@ -190,7 +204,14 @@ class Model:
             if top is not None:
                 extra["top_logprobs"] = top
                 out.logprobs = []
-            next_id = session.prefill(request, sampling, **extra)
+            if spec is not None:
+                from .speculative import SpeculativeDecoder
+
+                draft = self.gpu.at_depth(spec[0]).session(context=session.context, kv=kv)
+                speculator, queue = SpeculativeDecoder(session, draft, spec[1], sampling), []
+                next_id = speculator.start(request)
+            else:
+                next_id = session.prefill(request, sampling, **extra)
             if next_id is None:  # should_stop said so between chunks
                 out.finish_reason = "stopped"
                 return
@@ -225,6 +246,10 @@ class Model:
                 if should_stop is not None and should_stop(produced, budget):
                     out.finish_reason = "stopped"
                     break
+                if speculator is not None:
+                    queue = queue or speculator.round()
+                    next_id = queue.pop(0)
+                    continue
                 step = {} if top is None else {"top_logprobs": top}
                 if matcher is not None:
                     started_mask = time.perf_counter()
@@ -240,7 +265,13 @@ class Model:
             elapsed = time.perf_counter() - first
             out.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
             out.text = text
-            if scored:
+            if speculator is not None:
+                out.timings["speculative"] = {"depth": spec[0], "k": speculator.k, "rounds": speculator.rounds,
+                                              "drafted": speculator.drafted, "accepted": speculator.accepted,
+                                              "acceptance": round(speculator.acceptance, 4)}
+            if scored and not pooled:
+                out.confidence = self.confidence(request + out.ids)
+            elif scored:
                 # The pool holds every position fed so far; the last kept id is fed unless it
                 # was sampled and never run (budget or stop text): one position, no second pass.
                 fed = session.position - len(request)
@@ -249,6 +280,20 @@ class Model:
                 out.confidence = _probability(session.confidence_logit_so_far())
         finally:
             session.close()
+            if speculator is not None:
+                speculator.draft.close()
+
+    def _speculative(self, speculative, matcher):
+        """``stream``'s speculative option checked: None, or (draft depth, k)."""
+        if speculative is None:
+            return None
+        if not hasattr(self.gpu, "at_depth"):
+            raise DepthError("speculative decoding drafts with a rung: only Needle 3 files have a ladder")
+        if matcher is not None:
+            raise InputError("speculative decoding does not take constrained decoding (pass constrained=False)")
+        from .speculative import speculative_option
+
+        return speculative_option(speculative, self.gpu.full.stored_geometry.num_layers, self.geometry.num_layers)
 
     def _matcher(self, tools, constrained, tool_request: bool):
         """A grammar matcher for a constrained request, or None (vocabulary trie built once).

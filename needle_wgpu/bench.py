@@ -23,8 +23,8 @@ def run_benchmark(args) -> dict:
 
     path = args.model or str(default_model())
     started = time.perf_counter()
-    numerics = getattr(args, "numerics", "float")
-    model = load(path, progress=Progress(), numerics=numerics)
+    numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)
+    model = load(path, progress=Progress(), numerics=numerics, depth=depth)
     load_s = time.perf_counter() - started
     g = model.geometry
     device = model.gpu.device
@@ -77,6 +77,14 @@ def run_benchmark(args) -> dict:
         "last_token": next_id,
     }
     session.close()
+    if depth is not None:
+        result["depth"] = model.describe()["depth"]
+    rungs = getattr(args, "rungs", None)
+    if rungs:
+        result["rungs"] = [_rung_speed(model.gpu, d, prompt, decode_tokens) for d in _depths(rungs, model.gpu)]
+    pairs = getattr(args, "speculative", None)
+    if pairs is not None:
+        result["speculative"] = _speculative_speeds(model.gpu, pairs, prompt, decode_tokens)
     if args.reference:
         reference_speed = {"needle3": _reference_speed, "dense": _llamacpp_speed}[described["family"]]
         result.update(reference_speed(path, prompt, decode_tokens))
@@ -133,3 +141,128 @@ def _llamacpp_speed(path, prompt, decode_tokens) -> dict:
     return {"reference": f"llama.cpp CPU (xllamacpp {getattr(xllamacpp, '__version__', '?')}), {threads} threads",
             "reference_prefill_tok_s": round(timings["prompt_per_second"], 3),
             "reference_decode_tok_s": round(timings["predicted_per_second"], 3)}
+
+
+def _depths(requested, gpu) -> list:
+    """``--rungs``: depths as given ("all": every rung 2 … L of the file)."""
+    layers = gpu.full.stored_geometry.num_layers
+    if "all" in requested:
+        return list(range(min(2, layers), layers + 1))
+    from .errors import DepthError
+
+    try:
+        return [int(d) for d in requested]
+    except ValueError:
+        raise DepthError(f"--rungs: {requested!r} are not whole numbers (or 'all')") from None
+
+
+def _rung_speed(gpu, depth: int, prompt: list, decode_tokens: int) -> dict:
+    """Prefill and greedy decode speed of one rung over the loaded weights (warm-up first)."""
+    from .sampling import Sampling
+
+    greedy = Sampling()
+    rung = gpu.full.at_depth(depth)
+    context = len(prompt) + decode_tokens + 3
+    warm = rung.session(context=context)
+    warm.prefill(prompt[: warm.chunk], greedy)
+    warm.step(greedy)
+    warm.close()
+    prefill_s = decode_s = float("inf")
+    for _ in range(REPEATS):  # the fastest of a few runs (a shared machine)
+        session = rung.session(context=context)
+        t0 = time.perf_counter()
+        session.prefill(prompt, greedy)
+        prefill_s = min(prefill_s, time.perf_counter() - t0)
+        session.step(greedy)  # builds the step plan outside the timing
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            session.step(greedy)
+        decode_s = min(decode_s, time.perf_counter() - t1)
+        session.close()
+    return {"depth": depth, "prefill_tok_s": round(len(prompt) / max(prefill_s, 1e-9), 3),
+            "decode_tok_s": round(decode_tokens / max(decode_s, 1e-9), 3)}
+
+
+def speculative_pairs(text_pairs, layers: int) -> list:
+    """``--speculative D,K ...`` as (depth, k) pairs; none given: depths 2, L/4, L/2 (below L)
+    with k 3 and 7 (verify chunks of 4 and 8 positions: the CPU adapter's matmul tiles)."""
+    if text_pairs:
+        out = []
+        for text in text_pairs:
+            try:
+                depth, k = (int(v) for v in str(text).split(","))
+            except ValueError:
+                from .errors import InputError
+
+                raise InputError(f"--speculative: {text!r} is not DEPTH,K") from None
+            out.append((depth, k))
+        return out
+    depths = sorted({d for d in (2, layers // 4, layers // 2) if 2 <= d < layers})
+    return [(d, k) for d in depths for k in (3, 7)]
+
+
+REPEATS = 3  # timed runs per configuration, interleaved; the fastest counts (a shared machine)
+
+
+def _speculative_speeds(gpu, text_pairs, prompt: list, decode_tokens: int) -> dict:
+    """Greedy self-speculative decoding for each (depth, k): tok/s over the same prompt and
+    budget as plain greedy decoding timed alongside, acceptance, and whether its ids equal the
+    plain ones. Every configuration keeps its sessions, rewound to the prompt's end before each
+    run: a first run builds the plans (and compiles pipelines), then ``REPEATS`` rounds of timed
+    runs interleave plain and speculative decoding, and each one's fastest run is reported."""
+    from .sampling import Sampling
+    from .speculative import MAX_DRAFT, SpeculativeDecoder, speculative_option
+
+    greedy = Sampling()
+    layers = gpu.full.stored_geometry.num_layers
+    end = len(prompt)
+    context = end + decode_tokens + MAX_DRAFT + 3  # rounds never shrink before the budget is out
+    plain = gpu.session(context=context)
+    # Rewinds reach back at most max_rewind positions: the timed budget fits inside them.
+    decode_tokens = max(1, min(decode_tokens, plain.max_rewind - MAX_DRAFT - 2))
+    first = plain.prefill(prompt, greedy)
+
+    def run_plain():
+        plain.rewind(end)
+        return [first] + [plain.step(greedy) for _ in range(decode_tokens)]
+
+    def run_speculative(decoder):
+        decoder.full.rewind(end)
+        decoder.draft.rewind(end)
+        decoder.pending, decoder.lag, decoder.rounds, decoder.drafted, decoder.accepted = first, None, 0, 0, 0
+        ids = [first]
+        while len(ids) < decode_tokens + 1:
+            ids += decoder.round()
+        return ids[: decode_tokens + 1]
+
+    configs = [("plain", run_plain)]
+    for pair in speculative_pairs(text_pairs, layers):
+        depth, k = speculative_option(pair, layers, gpu.geometry.num_layers)
+        decoder = SpeculativeDecoder(gpu.session(context=context), gpu.at_depth(depth).session(context=context),
+                                     k, greedy)
+        decoder.start(prompt)
+        configs.append((decoder, lambda decoder=decoder: run_speculative(decoder)))
+    best, ids_of = {}, {}
+    for _ in range(REPEATS + 1):  # the first pass is the warm-up
+        for name, run in configs:
+            t0 = time.perf_counter()
+            ids = run()
+            seconds = time.perf_counter() - t0
+            if name in ids_of:
+                best[name] = min(best.get(name, seconds), seconds)
+            ids_of[name] = ids
+    plain_tok_s = round(decode_tokens / max(best["plain"], 1e-9), 3)
+    runs = []
+    for decoder, _ in configs[1:]:
+        tok_s = decode_tokens / max(best[decoder], 1e-9)
+        runs.append({"depth": decoder.draft.model.geometry.num_layers, "k": decoder.k,
+                     "decode_tok_s": round(tok_s, 3), "acceptance": round(decoder.acceptance, 4),
+                     "rounds": decoder.rounds, "ids_equal_plain": ids_of[decoder] == ids_of["plain"],
+                     "over_plain": round(tok_s / max(plain_tok_s, 1e-9), 3)})
+        decoder.full.close()
+        decoder.draft.close()
+    plain.close()
+    fastest = max(runs, key=lambda r: r["decode_tok_s"], default=None)
+    faster = fastest is not None and fastest["decode_tok_s"] > plain_tok_s
+    return {"decode_tokens": decode_tokens, "repeats": REPEATS, "plain_decode_tok_s": plain_tok_s, "runs": runs,
+            "fastest": {"speculative": [fastest["depth"], fastest["k"]] if faster else None}}

@@ -82,10 +82,17 @@ class Progress:
         sys.stderr.flush()
 
 
-def _load(path, progress, numerics="float"):
+def _load(path, progress, numerics="float", depth=None):
     from . import load
 
-    return load(path, progress=progress, numerics=numerics)
+    return load(path, progress=progress, numerics=numerics, depth=depth)
+
+
+def _load_args(args, path, progress):
+    """``_load`` with the command's ``--numerics`` and ``--depth`` (a rung of a Needle 3 file,
+    §10), where given."""
+    numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)
+    return _load(path, progress, numerics) if depth is None else _load(path, progress, numerics, depth=depth)
 
 
 def read_json_schema(path) -> tuple:
@@ -118,10 +125,15 @@ def cmd_generate(args) -> int:
     if schema is not None and (args.prompt is None or args.query is not None or args.tools is not None or args.stop):
         raise NeedleError("--json-schema constrains a raw completion: give --prompt, and no --query, --tools "
                           "or --stop")
-    model = _load(_path_of(args), Progress(args.quiet), args.numerics)
+    model = _load_args(args, _path_of(args), Progress(args.quiet))
     options = dict(sampling_keywords(args), kv=args.kv, stop=args.stop or (), context=args.context)
     if args.logprobs is not None:
         options.update(logprobs=True, top_logprobs=args.logprobs)
+    if args.speculative is not None:
+        from .bench import speculative_pairs
+
+        options["speculative"] = speculative_pairs([args.speculative], 0)[0]
+        options["constrained"] = False
     if schema is not None:
         options["constrained"] = schema_constraint(model, *schema)
     if args.prompt is not None:
@@ -165,7 +177,7 @@ def _result_json(result, completion) -> dict:
 
 def cmd_heads(args) -> int:
     """``heads``: the probe heads of a Needle 3 model over a text or ids, as one JSON object."""
-    model = _load(Path(args.model), Progress(args.quiet))
+    model = _load_args(args, Path(args.model), Progress(args.quiet))
     if args.ids is not None:
         try:
             source = dict(ids=[int(i) for i in args.ids.split(",") if i.strip()])
@@ -205,8 +217,27 @@ def cmd_chat(args) -> int:
 def cmd_info(args) -> int:
     from .families import describe
 
-    print(json.dumps(describe(args.model, context=args.context), indent=2))
+    described = describe(args.model, context=args.context) if args.depth is None else \
+        describe(args.model, context=args.context, depth=args.depth)
+    print(json.dumps(described, indent=2))
     return 0
+
+
+def cmd_logits(args) -> int:
+    """``logits``: the logits after every id (or only the last, ``--last``) as JSON."""
+    model = _load_args(args, Path(args.model), Progress(args.quiet))
+    ids = _ids_option(args.ids)
+    rows = model.logits(ids)
+    print(json.dumps({"ids": ids, "depth": model.geometry.num_layers if hasattr(model.gpu, "rung") else None,
+                      "logits": rows[-1:] if args.last else rows}))
+    return 0
+
+
+def _ids_option(text: str) -> list:
+    try:
+        return [int(i) for i in text.split(",") if i.strip()]
+    except ValueError:
+        raise NeedleError(f"--ids: {text!r} is not a comma-separated list of integers") from None
 
 
 def cmd_bench(args) -> int:
@@ -257,6 +288,9 @@ def _check_writable(path) -> None:
 
 MODEL_HELP = (".gguf or .cact file (default: $NEEDLE_WGPU_MODEL, else the installed SmolLM2-135M-Instruct, "
               "else Needle 3)")
+
+
+DEPTH_HELP = "Needle 3: run the depth-N rung of the file's elastic-depth ladder (spec §10)"
 
 
 def _path_of(args) -> Path:
@@ -320,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "matching this schema (the supported subset, docs/api.md)")
     gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--depth", type=int, default=None, help=DEPTH_HELP)
+    gen.add_argument("--speculative", metavar="DEPTH,K", default=None,
+                     help="self-speculative decoding: the DEPTH rung drafts K ids per round (Needle 3; unconstrained)")
     gen.set_defaults(run=cmd_generate)
 
     chat = sub.add_parser("chat", help="a conversation: interactive, or --message TEXT answered in turn")
@@ -338,7 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print a model file's geometry and layout")
     info.add_argument("model")
     info.add_argument("--context", type=float, default=None, help="GGUF: KV bytes for this context")
+    info.add_argument("--depth", type=int, default=None, help=DEPTH_HELP)
     info.set_defaults(run=cmd_info)
+
+    logits = sub.add_parser("logits", help="logits after every id, as JSON")
+    logits.add_argument("model")
+    logits.add_argument("--ids", required=True, help="comma-separated token ids")
+    logits.add_argument("--last", action="store_true", help="only the last position's logits")
+    logits.add_argument("--depth", type=int, default=None, help=DEPTH_HELP)
+    logits.add_argument("--quiet", action="store_true", help="no progress bar")
+    logits.set_defaults(run=cmd_logits)
 
     bench = sub.add_parser("bench", help="benchmark prefill/decode and write JSON")
     bench.add_argument("model", nargs="?")
@@ -349,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench.json")
     bench.add_argument("--numerics", choices=("float", "deploy"), default="float",
                        help="Needle 3: float (default) or deploy numerics (the reference runs float)")
+    bench.add_argument("--depth", type=int, default=None, help=DEPTH_HELP + " (the whole benchmark)")
+    bench.add_argument("--rungs", nargs="+", metavar="D", default=None,
+                       help="also time these rungs over the same weights ('all': every rung)")
+    bench.add_argument("--speculative", nargs="*", metavar="DEPTH,K", default=None,
+                       help="also time greedy self-speculative decoding for these pairs (none: a default set)")
     bench.set_defaults(run=cmd_bench)
 
     heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")
@@ -358,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--head", action="append", choices=("embedding", "confidence", "router"),
                        help="a head to run (repeatable; default: every head the file has)")
     heads.add_argument("--quiet", action="store_true", help="no progress bar")
+    heads.add_argument("--depth", type=int, default=None, help=DEPTH_HELP)
     heads.set_defaults(run=cmd_heads)
 
     check = sub.add_parser("verdict", help="batched prefill vs token-by-token over a prompt battery (§7)")

@@ -43,3 +43,8 @@ class DeviceLimitError(DeviceError):
 
 class ContextFullError(NeedleError):
     """A session reached the model's max_seq_len; nothing more fits (Needle 3 spec §0 item 8)."""
+
+
+class DepthError(InputError):
+    """A depth the model file cannot give (elastic depth, Needle 3 spec §10): not a whole number,
+    outside the file's ladder, or asked of a family without one."""

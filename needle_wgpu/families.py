@@ -8,6 +8,7 @@ and ``NUMERICS`` (the numerics it runs, ``needle_wgpu.numerics``);
 
 from __future__ import annotations
 
+from .errors import DepthError
 from .formats.source import Source
 from .models import dense, needle3
 
@@ -31,10 +32,12 @@ def family_of(source):
     return needle3
 
 
-def open_gpu_model(source, device=None, progress=None, numerics="float"):
+def open_gpu_model(source, device=None, progress=None, numerics="float", depth=None):
     """Read, validate and upload a model file; ``device`` defaults to the native one.
     ``numerics`` ("float" or "deploy", ``needle_wgpu.numerics``) is checked before anything is read;
-    a family that has only float numerics refuses "deploy" with ``UnsupportedModelError``."""
+    a family that has only float numerics refuses "deploy" with ``UnsupportedModelError``.
+    ``depth`` (None: the file's own) is for families with an elastic-depth ladder (Needle 3);
+    any other family refuses it with ``DepthError``."""
     from .numerics import choice
 
     numerics = choice(numerics)
@@ -45,15 +48,27 @@ def open_gpu_model(source, device=None, progress=None, numerics="float"):
 
         raise UnsupportedModelError(f"numerics={numerics!r}: {family.__name__.rsplit('.', 1)[-1]} models run "
                                     f"only {', '.join(family.NUMERICS)} numerics")
+    if depth is not None and family is not needle3:
+        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder")
+    if depth is not None:
+        needle3.rung(parsed.geometry, depth)  # refused before any device is opened
     if device is None:
         from .gpu import open_device
 
         device = open_device()
-    return family.open(parsed, device, progress=progress, numerics=numerics)
+    if depth is None:
+        return family.open(parsed, device, progress=progress, numerics=numerics)
+    return family.open(parsed, device, progress=progress, numerics=numerics, depth=depth)
 
 
-def describe(source, context=None) -> dict:
+def describe(source, context=None, depth=None) -> dict:
     """A model file's family, geometry and sizes without a GPU (``context``: what a session of
-    that many positions would allocate, where the family sizes its cache by it)."""
+    that many positions would allocate, where the family sizes its cache by it; ``depth``: the
+    rung of a Needle 3 file's ladder, ``DepthError`` for another family)."""
     family = family_of(source)
-    return family.describe(family.read(source), context=context)
+    if depth is not None and family is not needle3:
+        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder")
+    parsed = family.read(source)
+    if depth is None:
+        return family.describe(parsed, context=context)
+    return family.describe(parsed, context=context, depth=depth)

@@ -155,7 +155,7 @@ def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
         monkeypatch.delenv(variable, raising=False)
     assert cli.default_model() == installed
     opened = []
-    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None, numerics="float":
+    monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None, numerics="float", depth=None:
                                                        opened.append(source)))
     needle_wgpu.load()
     assert opened == [installed]

@@ -204,7 +204,8 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
     # CPU adapters get the barrier-free row-per-invocation variant (cq_matmul_rows.wgsl).
     rowwise = plan.device.software_rasterizer and code_bits in ROWWISE_CODE_BITS
     if rowwise:
-        tile = 1 if positions == 1 else ROWWISE_TILE
+        # TT is 1, 4 or 8: a short chunk (a speculative verify) takes the 4-position variant
+        tile = 1 if positions == 1 else 4 if positions <= 4 else ROWWISE_TILE
         if (x_stride | x_offset | x_block_stride) % 4:
             raise ValueError("cq_matmul_rows reads xh as vec4: strides and offsets must be multiples of 4")
         key = KernelKey("cq_matmul_rows", consts=(

@@ -110,7 +110,7 @@ def ring_slots_needed(geometry: Needle3Geometry, positions: int) -> int:
 
 
 def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp16_store: Fp16Store, ekv, ring,
-         ring_size: int, ev, positions: int) -> None:
+         ring_size: int, ev, positions: int, stored_sites: tuple | None = None) -> None:
     """ev[t][s] = Σ_j taps_s[j] ⊙ Vraw[s, p - j·dilation] for every site s (§4.2, §6 item 3).
 
     Tap j is skipped when j·dilation > p or p < j·max_order (both conditions of §4.2). Vraw of
@@ -121,9 +121,12 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     Bindings (``engram.wgsl``, entry ``conv``): 0 params, 1 ``step``, 2 ``fp16`` (taps
     ``engram.{s}.taps`` [taps][d]), 3 ``ekv``, 4 ``ring``, 5 ``ev`` f32 [T][sites][d].
     Workgroups: (ceil(d/256), T, sites), 256 invocations, one invocation per channel.
+    ``stored_sites[s]``: the stored site whose taps site s uses (default s; a rung of elastic
+    depth runs only its kept sites, §U f).
     """
     g = geometry
     sites, d = len(g.engram_sites), g.d_model
+    stored_sites = tuple(range(sites)) if stored_sites is None else tuple(stored_sites)
     if sites == 0:
         return
     if sites > MAX_SITES:
@@ -132,8 +135,8 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     if ring_size < need:
         raise DeviceLimitError(f"engram ring of {ring_size} slots is too small for chunks of {positions} "
                                f"(needs {need} = T + (taps - 1)·dilation)")
-    window = fp16_store.window([f"engram.{s}.taps" for s in range(sites)])
-    taps_at = [window.offset(f"engram.{s}.taps") for s in range(sites)]
+    window = fp16_store.window([f"engram.{s}.taps" for s in stored_sites])
+    taps_at = [window.offset(f"engram.{s}.taps") for s in stored_sites]
     taps_at += [0] * (MAX_SITES - sites)
     params = arena.add(d, g.engram_conv_taps, g.engram_conv_dilation, g.engram_max_order, ring_size,
                        sites * 2 * d, 2 * d, d, sites, 0, 0, 0, *taps_at)

@@ -9,6 +9,7 @@ back ([C·k][d + 2]) and finishes steps 1-3 of §7 with the dequantised query an
 
 from __future__ import annotations
 
+import copy
 import math
 import struct
 from array import array
@@ -148,6 +149,19 @@ class ProbeHead:
     @property
     def probe_rows(self) -> int:
         return self.cells_count * self.per_cell
+
+    def at_cells(self, cells: tuple) -> "ProbeHead":
+        """This head reading only the given cells of the full model, in that order (a rung of
+        elastic depth, §U f: gain rows and row_bias[:, c, :] of the kept cells). The probe rows
+        stay where they are on the GPU: the caller reads cell ``cells[c]``'s band."""
+        k, count = self.per_cell, self.probe_rows
+        head = copy.copy(self)
+        head.cells_count = len(cells)
+        head.gain = array("d", [self.gain[c * k + kk] for c in cells for kk in range(k)])
+        head.row_bias = array("d", [self.row_bias[q * count + c * k + kk]
+                                    for q in range(self.queries) for c in cells for kk in range(k)])
+        head.host_work = self.host_work - self.queries * (count - head.probe_rows) * self.d
+        return head
 
     def logit(self, state: bytes) -> float:
         """The first output: the confidence logit (0.0, probability 0.5, with no position)."""

@@ -4,6 +4,8 @@ prebuilt dispatch plans of docs/gpu-layout.md, read top to bottom as the model's
 
 from __future__ import annotations
 
+import copy
+
 from .. import numerics as numerics_rules
 from ..constants import kv_cq_levels
 from ..errors import InputError, NeedleError, NonFiniteWeightsError, UnsupportedModelError
@@ -19,6 +21,7 @@ from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
 from ..prompt import Needle3Chat
 from .needle3_support import check_supported, widest_row_bytes
+from .ladder import Rung, full_rung, rung
 from .session import ChunkedSession, PlanKey, session_ids
 
 PREFILL_CHUNK = 64
@@ -37,21 +40,32 @@ def read(source) -> CactFile:
     return cact.load(source)
 
 
-def open(container: CactFile, device: Device, progress=None, numerics="float") -> "Needle3Gpu":
-    """Upload a validated container to ``device``, to run ``numerics`` ("float" or "deploy")."""
-    return Needle3Gpu(device, container, progress=progress, numerics=numerics)
+def open(container: CactFile, device: Device, progress=None, numerics="float", depth=None) -> "Needle3Gpu":
+    """Upload a validated container to ``device``, to run ``numerics`` ("float" or "deploy");
+    ``depth`` (None: the file's own) runs that rung of the ladder (§10, §U f) over the uploaded
+    weights (``Needle3Gpu.at_depth``)."""
+    if depth is not None:
+        rung(container.geometry, depth)  # a depth the file cannot give fails before any upload
+    model = Needle3Gpu(device, container, progress=progress, numerics=numerics)
+    return model if depth is None else model.at_depth(depth)
 
 
-def describe(container: CactFile, context=None) -> dict:
+def describe(container: CactFile, context=None, depth=None) -> dict:
     """A .cact file's geometry and layout, without a GPU (``needle-wgpu info``; sessions are
-    sized by the model's own context, so ``context`` changes nothing here)."""
+    sized by the model's own context, so ``context`` changes nothing here). ``depth``: the
+    rung it would run at (§10): ``geometry`` is then the rung's, with the stored ``blocks``."""
     g = container.geometry
-    return {"family": "needle3", "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__},
-            "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
-            "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
-            "heads": list(container.head_codes),
-            "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0,
-            "warnings": container.warnings}
+    r = full_rung(g) if depth is None else rung(g, depth)
+    out = {"family": "needle3", "geometry": {k: getattr(r.geometry, k) for k in g.__dataclass_fields__},
+           "depth": r.depth,
+           "records": len(container.tensors) + (1 if container.tokenizer is not None else 0),
+           "tensor_bytes": container.tensor_bytes, "file_bytes": container.file_size,
+           "heads": list(container.head_codes),
+           "tokenizer_bytes": len(container.tokenizer) if container.tokenizer is not None else 0,
+           "warnings": container.warnings}
+    if not r.full:
+        out |= {"file_layers": g.num_layers, "blocks": list(r.blocks)}
+    return out
 
 
 @checked_methods
@@ -114,7 +128,27 @@ class Needle3Gpu:
                             for code, head in self.heads.items()}
         self.confidence = self.heads.get(probe_ops.CONFIDENCE)
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
+        # Elastic depth (§10): which stored layers run as blocks 0 … D − 1 (all of them here).
+        self.stored_geometry = g
+        self.rung: Rung = full_rung(g)
+        self.full = self
         report("upload", g.num_layers, g.num_layers)
+
+    def at_depth(self, depth) -> "Needle3Gpu":
+        """The depth-``depth`` rung of this full-depth model (§U f) over the same GPU weights:
+        the rung's blocks bind the full model's weight buffers (φ bands, FP16 windows, probe
+        rows at their stored offsets), so nothing is uploaded or copied. ``DepthError`` for a
+        depth the file cannot give."""
+        full = self.full
+        r = rung(full.stored_geometry, depth)
+        if r.full:
+            return full
+        view = copy.copy(full)
+        view.rung, view.geometry = r, r.geometry
+        view.layers = [full.layers[b] for b in r.blocks]
+        view.heads = {code: head.at_cells(r.cells) for code, head in full.heads.items()}
+        view.confidence = view.heads.get(probe_ops.CONFIDENCE)
+        return view
 
     @property
     def mix_width(self) -> int:
@@ -122,10 +156,13 @@ class Needle3Gpu:
         return 2 * n + n * n
 
     def describe(self) -> dict:
+        """The file's description, the GPU weight bytes, the numerics and KV mode, and the
+        depth it runs at (with the stored layers a rung runs; ``geometry`` is then the rung's)."""
         g = self.geometry
+        depth = None if self.rung.full else self.rung.depth
         default_kv = numerics_rules.kv_mode(None, self.numerics, g.kv_bits)
-        return describe(self.cact) | {"gpu_weight_bytes": self.weight_bytes, "numerics": self.numerics,
-                                      "kv_default": default_kv, "kv_window": g.kv_window}
+        return describe(self.cact, depth=depth) | {"gpu_weight_bytes": self.weight_bytes, "numerics": self.numerics,
+                                                   "kv_default": default_kv, "kv_window": g.kv_window}
 
     def kv_levels(self, mode: str) -> tuple:
         """The CQ K/V levels at group 64 of a KV mode ("cq2"…"cq4"), () for the others (§4.9 point 5)."""
@@ -160,6 +197,7 @@ class Needle3Session(ChunkedSession):
     """
 
     supports_mask = True  # the sampler reads self.mask when the plan key says so
+    supports_verify = True  # PlanKey.every_position: a sampler after every position
 
     def __init__(self, model: Needle3Gpu, context=None, kv=None, confidence=False, heads=()):
         g = model.geometry
@@ -173,7 +211,7 @@ class Needle3Session(ChunkedSession):
         self.int8 = self.kv_mode == "int8"
         dev = self.device
         G = model.group
-        sites = len(g.engram_sites)
+        sites = len(g.engram_sites)  # a rung's: only its kept sites run (§U f)
         # A prefill chunk is as long as the widest per-position scratch row allows under the
         # device's binding limit (64 on any real device).
         widest = widest_row_bytes(g, G)
@@ -223,6 +261,10 @@ class Needle3Session(ChunkedSession):
                 self.pools[code] = (scores, state)
         self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
                                              chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
+        # Stepping back over the last T positions is exact: a local layer's ring holds T − 1
+        # slots beyond its window and the conv rings more than T + their taps, so the positions
+        # a rewound chunk reads again were never overwritten. The probe pools cannot un-fold.
+        self.max_rewind = 0 if self.pools else T
 
     @property
     def past_kv_window(self) -> bool:
@@ -246,6 +288,7 @@ class Needle3Session(ChunkedSession):
         plan = Plan(dev, f"chunk T={T}")
         step = Binding(self.step_uniform)
         sites = len(g.engram_sites)
+        stored_sites = m.rung.sites  # site s runs the stored site stored_sites[s] (§U f)
         d_pad = _pad(d, G)
 
         cells = self.cells
@@ -253,33 +296,41 @@ class Needle3Session(ChunkedSession):
         embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
                         lanes=self.lanes, positions=T, cells=cells)
         # Engram keys and values for every site, once per chunk (§4.2).
-        for s in range(sites):
-            engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[s], levels=m.levels,
+        for s, kept in enumerate(stored_sites):
+            engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[kept], levels=m.levels,
                              tokens=self.tokens, eh=self.eh, positions=T, act_quant=deploy)
-        if sites:
+        if sites and m.rung.full:
             cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
                       y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
+        else:  # a rung: each kept site's band of the stored key/value projections
+            for s, kept in enumerate(stored_sites):
+                cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
+                          x_offset=s * T * self.eh_width, y_stride=sites * 2 * d, y_offset=s * 2 * d,
+                          row_start=kept * 2 * d, rows=2 * d)
         engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
-                        ring_size=self.ring, ev=self.ev, positions=T)
+                        ring_size=self.ring, ev=self.ev, positions=T, stored_sites=stored_sites)
 
         qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         compiled = dev.pipeline_count
-        for layer in range(g.num_layers):
+        # Block ``layer`` runs stored layer ``kept`` (the same at full depth; a rung's blocks
+        # are its kept layers, §U f): stored tensors by ``kept``, lane and cell by ``layer``.
+        for layer, kept in enumerate(m.rung.blocks):
             if dev.pipeline_count != compiled:  # only report while new pipelines are compiling
                 m.report("compile", layer, g.num_layers)
             weights = m.layers[layer]
             mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T,
                              act_quant=deploy)
             cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
-                      y_stride=m.mix_width, row_start=layer * m.mix_width, rows=m.mix_width)
+                      y_stride=m.mix_width, row_start=kept * m.mix_width, rows=m.mix_width)
             site = g.engram_site(layer)
             gate = mhc_ops.EngramGateInputs(self.ekv, self.ev, site, sites) if site >= 0 else None
-            mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=layer,
-                            lanes_n=n, width=d, group=G, positions=T, engram=gate, act_quant=deploy)
+            mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=kept,
+                            lanes_n=n, width=d, group=G, positions=T, engram=gate, active_lane=layer % n,
+                            act_quant=deploy)
             cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
                       y_stride=qkvg_width)
             shape = attention_ops.needle3_shape(g, layer)
-            attention_ops.qkv_post(plan, arena, step, shape=shape, layer=layer, fp16_store=m.fp16, qkvg=self.qkvg,
+            attention_ops.qkv_post(plan, arena, step, shape=shape, layer=kept, fp16_store=m.fp16, qkvg=self.qkvg,
                                    ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
                                    cache=self.caches[layer], positions=T, int8=self.int8,
                                    q_quant=deploy and not self.int8, kv_levels=self.kv_levels)
@@ -289,8 +340,8 @@ class Needle3Session(ChunkedSession):
                        act_quant=deploy)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
                       x_stride=_pad(g.attn_out, G), y_stride=d)
-            mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=layer,
-                            shape=m.hada_shape, lanes_n=n, positions=T, cells=cells,
+            mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=kept,
+                            shape=m.hada_shape, lanes_n=n, positions=T, cells=cells, cell_index=layer + 1,
                             cell_stride=(g.num_layers + 1) * d)
 
         embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
@@ -302,7 +353,12 @@ class Needle3Session(ChunkedSession):
             self._build_probe_pool(plan, arena, T)
         if dev.pipeline_count != compiled:
             m.report("compile", g.num_layers, g.num_layers)
-        if sample is not None:
+        if sample is not None and key.every_position and key.all_logits:  # speculative verify
+            for t in range(T):  # the id after position pos0 + t goes to tokens[pos0 + t + 1]
+                sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=t * g.head_rows,
+                                  rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
+                                  positions=t + 1, sampling=sample)
+        elif sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=sample, mask=self.mask if key.mask else None)
@@ -320,7 +376,7 @@ class Needle3Session(ChunkedSession):
             for cell in range(C):
                 cq.matmul(plan, arena, m.head_probes[code], m.levels, self.cellsh, scores, positions=T,
                           x_stride=C * d_pad, x_offset=cell * d_pad, y_stride=C * k, y_offset=cell * k,
-                          row_start=cell * k, rows=k)
+                          row_start=m.rung.cells[cell] * k, rows=k)
             probe_ops.pool(plan, arena, Binding(self.step_uniform), scores=scores, cells=self.cells, state=state,
                            tokens=self.tokens, d=d, positions=T, probes=C * k, per_cell=k, cells_count=C)
 

@@ -26,6 +26,10 @@ class PlanKey:
     sample: Sampling | None = None  # sample after the chunk's last position (values are baked in)
     all_logits: bool = False  # the head over every position of the chunk, not only the last
     mask: bool = False  # the sampler reads the session's ``mask`` buffer (constrained decoding)
+    every_position: bool = False  # with all_logits: sample after every position (speculative verify)
+
+
+GREEDY = Sampling()
 
 
 def clamp_context(context, limit: int) -> int:
@@ -63,6 +67,8 @@ class ChunkedSession:
     chunk: int
     logit_rows: int
     rewindable: bool = False  # a family sets it where every layer's cache keeps each position
+    max_rewind: int = 0  # else: how many recent positions its caches can still step back over
+    supports_verify = False  # a family whose plans honour ``PlanKey.every_position``
     supports_mask = False  # a family whose plans pass ``self.mask`` to the sampler when key.mask
 
     def _open(self, device: Device, context, limit: int) -> None:
@@ -104,7 +110,8 @@ class ChunkedSession:
         self.device.write(self.mask, bytes(mask))
         return True
 
-    def _run_chunk(self, ids: list, sample: Sampling | None, all_logits: bool = False, mask=None) -> None:
+    def _run_chunk(self, ids: list, sample: Sampling | None, all_logits: bool = False, mask=None,
+                   every_position: bool = False) -> None:
         T = len(ids)
         if self.position + T > self.context:
             raise ContextFullError(f"context of {self.context} positions is full")
@@ -112,7 +119,7 @@ class ChunkedSession:
         masked = self._write_mask(mask)
         dev.write(self.tokens, struct.pack(f"<{T}I", *ids), 4 * self.position)
         dev.write(self.step_uniform, struct.pack("<4I", self.position, 0, 0, 0))
-        dev.run(self._plan(PlanKey(T, sample, all_logits, masked)))
+        dev.run(self._plan(PlanKey(T, sample, all_logits, masked, every_position)))
         self.position += T
 
     def prefill(self, ids: list, sampling: Sampling | None = None, mask=None, should_stop=None, top_logprobs=None):
@@ -158,11 +165,76 @@ class ChunkedSession:
     def rewind(self, position: int) -> None:
         """Forget every position from ``position`` on: the next prefill continues there (a
         conversation whose re-rendered history differs from what the cache holds). Attention
-        reads only keys before the query's own position, so the stale ones are never seen."""
+        reads only keys before the query's own position, so the stale ones are never seen.
+
+        A session whose caches keep a sliding window (``rewindable`` false) can still step back
+        over its last ``max_rewind`` positions (speculative decoding's rejected drafts): its
+        rings hold that many slots beyond the window, so no key it will read again was lost."""
         self._check()
-        if not self.rewindable:
-            raise NeedleError("this session cannot rewind (its cache keeps a sliding window)")
-        self.position = clamp_count(position, 0, self.position, self.position)
+        position = clamp_count(position, 0, self.position, self.position)
+        if not self.rewindable and self.position - position > self.max_rewind:
+            raise NeedleError("this session cannot rewind that far (its cache keeps a sliding window"
+                              + (f"; at most {self.max_rewind} positions back)" if self.max_rewind else ")"))
+        self.position = position
+
+    def draft(self, count: int, sampling: Sampling, read: bool = True) -> list:
+        """``count`` decode steps from the id already at ``tokens[position]`` (each step's id
+        goes into the next position's slot), then one readback of the ``count`` ids (none with
+        ``read`` false: ``verify_drafts`` copies them on the GPU)."""
+        self._check()
+        sampling = session_sampling(sampling, self.logit_rows, required=True)
+        count = clamp_count(count, 0, self.context - 1 - self.position, 0)
+        start, dev = self.position, self.device
+        plan = self._plan(PlanKey(1, sampling))
+        for i in range(count):
+            dev.write(self.step_uniform, struct.pack("<4I", start + i, 0, 0, 0))
+            dev.run(plan)
+        self.position += count
+        if count == 0 or not read:
+            return []
+        return list(struct.unpack(f"<{count}I", dev.read(self.tokens, 4 * count, 4 * (start + 1))))
+
+    def verify_drafts(self, first: int, source: "ChunkedSession", count: int) -> tuple:
+        """``verify([first] + drafts)`` where the drafts are the ``count`` ids another session
+        of the same device left in its ``tokens`` right after this session's position (its
+        ``draft``): copied buffer to buffer, so the draft session is never waited for before
+        the verify is submitted. Returns (drafts, verified ids)."""
+        self._check()
+        if not self.supports_verify:
+            raise UnsupportedModelError("this model family's sessions cannot verify drafts")
+        start, T, dev = self.position, count + 1, self.device
+        if source.device is not dev or not 0 < T <= self.chunk or start + T >= min(self.context, source.context):
+            raise InputError(f"verify takes 1 to {self.chunk} ids that leave room for one more position")
+        dev.write(self.tokens, struct.pack("<I", first & 0xFFFFFFFF), 4 * start)
+        if count:
+            dev.run(copies=[(source.tokens, 4 * (start + 1), self.tokens, 4 * (start + 1), 4 * count)])
+        dev.write(self.step_uniform, struct.pack("<4I", start, 0, 0, 0))
+        dev.run(self._plan(PlanKey(T, GREEDY, True, False, True)))
+        self.position += T
+        verified = list(struct.unpack(f"<{T}I", dev.read(self.tokens, 4 * T, 4 * (start + 1))))
+        drafts = list(struct.unpack(f"<{count}I", dev.read(source.tokens, 4 * count, 4 * (start + 1)))) if count else []
+        if count:  # as verify: the chunk's own ids back where the samplers wrote
+            dev.write(self.tokens, struct.pack(f"<{count}I", *drafts), 4 * (start + 1))
+        return drafts, verified
+
+    def verify(self, ids: list) -> list:
+        """Feed ``ids`` (one chunk) and return the greedy id after each of them: one plan (the
+        head over every position, a sampler per position writing ``tokens[p + 1]``), one
+        readback of ``len(ids)`` ids; the chunk's ids are then put back (the Engram hash of
+        later chunks reads them), and ``tokens[position]`` holds the id after the last one,
+        the next to feed. The last id's successor must fit the context."""
+        self._check()
+        if not self.supports_verify:
+            raise UnsupportedModelError("this model family's sessions cannot verify drafts")
+        ids = session_ids(ids)
+        if not 0 < len(ids) <= self.chunk or self.position + len(ids) >= self.context:
+            raise InputError(f"verify takes 1 to {self.chunk} ids that leave room for one more position")
+        start = self.position
+        self._run_chunk(ids, GREEDY, all_logits=True, every_position=True)
+        out = list(struct.unpack(f"<{len(ids)}I", self.device.read(self.tokens, 4 * len(ids), 4 * (start + 1))))
+        if len(ids) > 1:  # the samplers wrote over the chunk's own ids, which later chunks hash
+            self.device.write(self.tokens, struct.pack(f"<{len(ids) - 1}I", *ids[1:]), 4 * (start + 1))
+        return out
 
     def _read_sampled(self, top_logprobs=None, mask=None):
         token = struct.unpack_from("<I", self.device.read(self.result, 4))[0]

@@ -23,6 +23,8 @@ from ..sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
+from .ladder import rung_weights
+from ..models.ladder import full_rung, rung
 from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit, probe_output
 from .ops import F32, causal_conv, conv_tail, cq_fake_quant, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
@@ -59,9 +61,11 @@ class ReferenceModel:
     ``kv`` (deploy only; None: the header's kv_bits, §U d): "f32", "int8", "cq2", "cq3" or
     "cq4", the K/V quantisation of §4.9 point 5 that every form (whole sequence, prefill,
     decode) applies. Under float numerics the KV precision is the cache's (`new_cache`).
+    ``depth`` (None: the file's own): run the depth-D rung of a full-depth file (§10, §U f);
+    ``geometry`` and ``weights`` are then the rung's, selected from the file's.
     """
 
-    def __init__(self, source, numerics="float", kv=None):
+    def __init__(self, source, numerics="float", kv=None, depth=None):
         self.file = source if isinstance(source, cact.CactFile) else cact.load(source)
         self.geometry = self.file.geometry
         self.numerics = numerics_rules.choice(numerics)
@@ -75,10 +79,14 @@ class ReferenceModel:
             raise UnsupportedModelError(f"CQ K/V: head widths {g.qk_head_dim}/{g.v_head_dim} exceed the group of "
                                         f"{constants.KV_CQ_GROUP} (§4.9 point 5)")
         self.weights: Needle3Weights = load_weights(self.file)
+        self.rung = full_rung(self.geometry) if depth is None else rung(self.geometry, depth)
+        if not self.rung.full:
+            self.geometry = self.rung.geometry
+            self.weights = rung_weights(self.weights, self.rung)
 
     @classmethod
-    def from_path(cls, path: str | Path, numerics="float", kv=None) -> "ReferenceModel":
-        return cls(cact.load(path), numerics, kv)
+    def from_path(cls, path: str | Path, numerics="float", kv=None, depth=None) -> "ReferenceModel":
+        return cls(cact.load(path), numerics, kv, depth)
 
     def act(self, x: np.ndarray) -> np.ndarray:
         """A8 of every vector of the last axis under deploy numerics (§4.9), else x itself."""
