@@ -173,10 +173,10 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_benchmark
+    from .bench import run_benchmark, run_constrained_benchmark
 
     _check_writable(args.json)  # before minutes of benchmarking, not after
-    run_benchmark(args)
+    (run_constrained_benchmark if args.constrained else run_benchmark)(args)
     return 0
 
 
@@ -277,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode-tokens", type=float, default=16)
     bench.add_argument("--reference", action="store_true", default=True)
     bench.add_argument("--no-reference", dest="reference", action="store_false")
+    bench.add_argument("--constrained", action="store_true",
+                       help="grammar-masked decode: mask ms per step, constrained vs unconstrained tok/s")
     bench.add_argument("--json", default="bench.json")
     bench.set_defaults(run=cmd_bench)
 
