@@ -283,3 +283,34 @@ def test_a_token_budget_always_ends_inside_the_grammar():
         VALIDATOR(schema).validate(json.loads(text_of(vocabulary, ids)))
         done += 1
     assert done == 150
+
+
+def test_mask_work_per_step_is_bounded():
+    """A long constrained generation (8 strings of up to 80 characters), the budget passed at
+    every step: its trie walks add up to a few walks of the whole vocabulary, not one per step
+    (a string's characters share their masks in every array item; the budget's last steps
+    filter cached masks), and a second generation over the same grammar walks almost nothing."""
+    rng = random.Random(5)
+    letters = b"abcdefghij klmno"
+    words = sorted({bytes(rng.choice(letters) for _ in range(rng.randint(2, 12))) for _ in range(600)})
+    vocab = Vocabulary([b"</s>"] + [bytes((i,)) for i in range(256)] + words + [b'","', b'"]', b'["', b'":"'],
+                       eos_ids=[0])
+    plain = range(257, 257 + len(words))
+    schema = {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 8, "maxItems": 8},
+        "b": {"type": "string", "maxLength": 60}}, "required": ["a", "b"]}
+    constraint = Constraint(automaton(schema), vocab)
+    whole_vocabulary = sum(len(trie.children) for trie in vocab.tries)  # one walk of every trie
+    first = constraint.automaton.finish(constraint.automaton.initial) + 1
+    for budget, walks_allowed in [(400, 12), (first + 40, 12), (400, 3)]:  # the last: a warm cache
+        matcher, visited, steps = constraint.matcher(), constraint.nodes_visited, 0
+        while not matcher.ended:
+            allowed = matcher.allowed_ids(budget - steps)
+            assert allowed and steps < budget
+            words_allowed = [i for i in allowed if i in plain]
+            matcher.accept(rng.choice(words_allowed) if words_allowed and rng.random() < 0.97 else rng.choice(allowed))
+            steps += 1
+        value = json.loads(bytes(matcher.text))
+        VALIDATOR(schema).validate(value)
+        assert steps >= (60 if budget == 400 else 20)  # long enough for per-step walks to show
+        assert constraint.nodes_visited - visited <= walks_allowed * whole_vocabulary, (budget, steps)
