@@ -165,9 +165,10 @@ class Constraint:
     """One grammar over one vocabulary: the mask of every state, computed once and cached.
 
     Each trie's answer is cached under a key of the state (``_key``): counters clipped to that
-    trie's longest token, and for plain tokens inside a string, the string alone. The token budget costs no walk: each answer knows how many bytes
-    the text needs after each allowed id, and a step near the end of the budget clears the ids
-    that would not fit from the cached bits."""
+    trie's longest token, and for plain tokens inside a string, the string alone. The token
+    budget costs no walk: each answer knows how many bytes the text needs after each allowed
+    id, and a step near the end of the budget clears the ids that would not fit from the cached
+    bits."""
 
     def __init__(self, automaton: Automaton, vocabulary: Vocabulary):
         self.automaton, self.vocabulary = automaton, vocabulary
