@@ -399,7 +399,9 @@ class Model:
         request, _ = saturate_ids(id_list(ids))
         if not request:
             return 0.5
-        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True)
+        # the heads' pass: pad ids (0) masked as in upstream's hidden cells (§U a)
+        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), confidence=True,
+                                   pad_masked=True)
         try:
             logit = session.confidence_logit(request[: session.context])
         finally:
@@ -427,7 +429,8 @@ class Model:
         request, _ = saturate_ids(id_list(ids))
         if not request:
             raise NeedleError(f"{name} needs at least one token")
-        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), heads=(code,))
+        session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), heads=(code,),
+                                   pad_masked=True)  # pad ids (0) masked as in upstream's hidden cells (§U a)
         try:
             session.prefill(request[: session.context])
             return list(session.head_output(code))

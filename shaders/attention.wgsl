@@ -25,8 +25,11 @@
 //           word e / 2 when e is even), read with unpack2x16float: core WGSL, no shader-f16
 //           (qk_rope, the dense family). The products and sums are f32, in the f32 mode's order.
 //
+// With PAD_MASK (upstream's hidden cells, Needle 3 §U a), key n is also skipped where
+// tokens[n] = 0 (the pad id), and a query that sees no key gets zeros.
+//
 // Constants: KV_MODE (0, 1, 2), GATE (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW
-// (words per K row). Loop bounds are constants: lavapipe recompiles a shader at every dispatch
+// (words per K row), PAD_MASK (bool). Loop bounds are constants: lavapipe recompiles a shader at every dispatch
 // whose control flow depends on uniform values alone.
 
 struct Params {
@@ -60,6 +63,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read> cache: array<u32>;
 @group(0) @binding(4) var<storage, read> gates: array<f32>;  // q again without GATE
 @group(0) @binding(5) var<storage, read_write> o: array<f32>;
+@group(0) @binding(6) var<storage, read> tokens: array<u32>;  // read with PAD_MASK only
 
 const THREADS: u32 = 256u;
 const BLOCK: u32 = 256u;        // keys per block, one per invocation
@@ -167,13 +171,19 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
   var partial_sum = 0.0;  // this invocation's keys (one per block)
   var partial_out = 0.0;  // column j over the keys i ≡ g (mod GROUPS)
   for (var start = 0u; start < count; start += BLOCK) {
-    let valid = start + lid < count;
+    let inside = start + lid < count;
+    var valid = inside;
     var s = LOWEST;
     var row = 0u;
-    if (valid) {
+    if (inside) {
       let slot = (lo + start + lid) % params.cache_slots;
       row = slot * params.kv_heads + kv;
-      key_row[lid] = row;
+      key_row[lid] = row;  // set for a masked key too: its weight 0 still multiplies a value
+      if (PAD_MASK) {
+        valid = tokens[lo + start + lid] != 0u;
+      }
+    }
+    if (valid) {
       s = score(row);
     }
     reduction[lid] = s;
@@ -212,7 +222,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
     for (var k = 0u; k < GROUPS; k++) {
       total += weights[k * VCOLS + lid];
     }
-    let attended = total * (1.0 / reduction[0]);
+    var attended = total * (1.0 / reduction[0]);
+    if (PAD_MASK && reduction[0] == 0.0) {
+      attended = 0.0;  // every visible key is a pad
+    }
     if (GATE) {
       let gate = gates[t * params.gate_stride + params.gate_offset + hq * vd + lid];
       o[t * params.o_stride + hq * vd + lid] = attended * (1.0 / (1.0 + exp(-gate)));

@@ -15,9 +15,13 @@
 //   own Vraw into the ring. That is race-free when ring_slots >= T + (taps - 1)·dilation (the
 //   op asserts it): no slot read by this chunk is written by it.
 //
+// With PAD_MASK (upstream's hidden cells, §U a): a table is also invalid where its n-gram's
+// oldest id tokens[p - order + 1] is 0 (the pad id), and value-conv tap j (tap 0 included) is
+// skipped where tokens[p - j·max_order] is 0.
+//
 // Constants: CODE_BITS, LEVEL_BASE, GROUP, CAP (>= tables·row_pad and >= out_pad, a multiple
 // of 256), FWHT_SCALE (f32 of 1/sqrt(GROUP)), MAX_TABLES, ACT_QUANT (deploy numerics: A8 of e_p
-// before its transform, §4.9 point 1).
+// before its transform, §4.9 point 1), PAD_MASK (bool).
 
 struct FetchParams {
   positions: u32,     // T (eh holds [sites][T][out_pad])
@@ -69,6 +73,7 @@ struct ConvParams {
 @group(0) @binding(3) var<storage, read> ekv: array<f32>;
 @group(0) @binding(4) var<storage, read_write> ring: array<f32>;
 @group(0) @binding(5) var<storage, read_write> ev: array<f32>;
+@group(0) @binding(6) var<storage, read> conv_tokens: array<u32>;  // conv reads it with PAD_MASK only
 
 const THREADS: u32 = 256u;
 const ITEMS: u32 = CAP / THREADS;
@@ -103,7 +108,11 @@ fn table_slot(p: u32, tb: u32) -> u32 {
 
 // A table is valid once its n-gram is complete: p >= order - 1 (§4.2).
 fn table_valid(p: u32, tb: u32) -> bool {
-  return p + 1u >= params.orders[tb / params.heads];
+  let order = params.orders[tb / params.heads];
+  if (PAD_MASK && p + 1u >= order && tokens[p + 1u - order] == 0u) {
+    return false;  // the n-gram starts at a pad (§U a)
+  }
+  return p + 1u >= order;
 }
 
 //#include cq_row.wgsl
@@ -191,6 +200,9 @@ fn conv(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
     let shift = j * conv_params.dilation;
     if (shift > p || p < j * conv_params.max_order) {
       continue;
+    }
+    if (PAD_MASK && conv_tokens[p - j * conv_params.max_order] == 0u) {
+      continue;  // tap j reads a pad (§U a)
     }
     let q = p - shift;
     var raw: f32;

@@ -21,9 +21,12 @@
 // int8 mode rows of 4 signed bytes per word (element e in byte e % 4) plus f32 scales
 // [slots][kv] at k_scale_at / v_scale_at.
 //
+// With PAD_MASK (upstream's hidden cells, Needle 3 §U a) conv tap j >= 1 is skipped where
+// tokens[p - j] = 0 (the pad id).
+//
 // Constants: CAP (>= q+k+v widths), INT8 (bool), Q_QUANT (bool), KV_CQ (0, or the CQ width b;
 // head widths <= 64), PIO2_1..PIO2_4 (π/2 split for the angle reduction: three 8-bit parts and
-// the f32 remainder).
+// the f32 remainder), PAD_MASK (bool).
 
 struct Params {
   heads: u32,         // H
@@ -63,6 +66,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> ring: array<f32>;
 @group(0) @binding(5) var<storage, read_write> q_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> cache: array<u32>;
+@group(0) @binding(7) var<storage, read> tokens: array<u32>;  // read with PAD_MASK only
 
 //#include fp16.wgsl
 
@@ -183,6 +187,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
       value = 0.0;
       for (var j = 0u; j < params.taps && j <= p; j++) {
         let src = p - j;
+        if (PAD_MASK && j > 0u && tokens[src] == 0u) {
+          continue;
+        }
         var x: f32;
         if (src >= pos0) {
           x = qkvg[(src - pos0) * params.qkvg_stride + c];

@@ -69,6 +69,9 @@ def test_bench_checks_its_json_path_before_running(tmp_path, capsys, monkeypatch
     assert ran == [] and "needle-wgpu: /nonexistent/x: No such file or directory" in capsys.readouterr().err
     assert cli.main(["bench", str(tmp_path / "unused.cact"), "--json", str(tmp_path / "b.json")]) == 0
     assert len(ran) == 1 and not (tmp_path / "b.json").exists()  # the check leaves no file behind
+    monkeypatch.setattr(bench, "run_constrained_benchmark", lambda args: ran.append(("constrained", args)))
+    assert cli.main(["bench", "--constrained", "--json", str(tmp_path / "b.json")]) == 0
+    assert len(ran) == 2 and ran[1][0] == "constrained"  # --constrained runs the masked-decode benchmark
 
 
 def test_a_file_as_the_cache_directory_is_a_clean_error(tmp_path, capsys, monkeypatch):

@@ -100,7 +100,8 @@ class RecordingGpu:
         self.confidence_value = confidence_value
         self.sessions = []
 
-    def session(self, context=None, kv="f32", confidence=False):
+    def session(self, context=None, kv="f32", confidence=False, pad_masked=False):
+        self.pad_masked = pad_masked  # the heads' pass asks for upstream's hidden cells (§U a)
         return RecordingSession(self, context=context, kv=kv, confidence=confidence)
 
 
@@ -322,7 +323,9 @@ def test_confidence_is_a_probability():
     assert engine(confidence_value=1e6).confidence([2, 3]) == 1.0
     assert engine(confidence_value=-1e6).confidence([2, 3]) == 0.0
     assert engine(confidence_value=NAN).confidence([2, 3]) == 0.0
-    assert 0.0 < engine().confidence(prompt="What is", completion=" the weather") < 1.0
+    model = engine()
+    assert 0.0 < model.confidence(prompt="What is", completion=" the weather") < 1.0
+    assert model.gpu.pad_masked is True
 
 
 # ----------------------------------------------------------------------------------- text in, text out

@@ -283,3 +283,83 @@ def test_a_token_budget_always_ends_inside_the_grammar():
         VALIDATOR(schema).validate(json.loads(text_of(vocabulary, ids)))
         done += 1
     assert done == 150
+
+
+def test_mask_work_per_step_is_bounded():
+    """A long constrained generation (8 strings of up to 80 characters), the budget passed at
+    every step: its trie walks add up to a few walks of the whole vocabulary, not one per step
+    (a string's characters share their masks in every array item; the budget's last steps
+    filter cached masks), and a second generation over the same grammar walks almost nothing."""
+    rng = random.Random(5)
+    letters = b"abcdefghij klmno"
+    words = sorted({bytes(rng.choice(letters) for _ in range(rng.randint(2, 12))) for _ in range(600)})
+    vocab = Vocabulary([b"</s>"] + [bytes((i,)) for i in range(256)] + words + [b'","', b'"]', b'["', b'":"'],
+                       eos_ids=[0])
+    plain = range(257, 257 + len(words))
+    schema = {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 8, "maxItems": 8},
+        "b": {"type": "string", "maxLength": 60}}, "required": ["a", "b"]}
+    constraint = Constraint(automaton(schema), vocab)
+    whole_vocabulary = sum(len(trie.children) for trie in vocab.tries)  # one walk of every trie
+    first = constraint.automaton.finish(constraint.automaton.initial) + 1
+    for budget, walks_allowed in [(400, 12), (first + 40, 12), (400, 3)]:  # the last: a warm cache
+        matcher, visited, steps = constraint.matcher(), constraint.nodes_visited, 0
+        while not matcher.ended:
+            allowed = matcher.allowed_ids(budget - steps)
+            assert allowed and steps < budget
+            words_allowed = [i for i in allowed if i in plain]
+            matcher.accept(rng.choice(words_allowed) if words_allowed and rng.random() < 0.97 else rng.choice(allowed))
+            steps += 1
+        value = json.loads(bytes(matcher.text))
+        VALIDATOR(schema).validate(value)
+        assert steps >= (60 if budget == 400 else 20)  # long enough for per-step walks to show
+        assert constraint.nodes_visited - visited <= walks_allowed * whole_vocabulary, (budget, steps)
+
+
+def brute_force_allowed(constraint, state, budget):
+    """Every id tried on its own: its bytes allowed from ``state``, and (with a budget) the text
+    still finishable after it, EOS within the budget (the rule of ``Constraint.entry``)."""
+    automaton, vocab = constraint.automaton, constraint.vocabulary
+    out = set()
+    for token_id, data in enumerate(vocab.token_bytes):
+        if token_id in vocab.eos_ids:
+            if automaton.accepts(state) and (budget is None or budget >= 1):
+                out.add(token_id)
+        elif data:
+            after = automaton.advance_bytes(state, data)
+            if after and (budget is None or automaton.finish(after) <= budget - 2):
+                out.add(token_id)
+    return out
+
+
+def test_cached_masks_equal_a_walk_of_every_id():
+    """The cached, clipped and budget-filtered masks are exactly the ids a direct check of each
+    id allows, at random states and budgets (tight ones included); every fourth schema has
+    strings whose minLength reaches past the longest token (keys that hide bytes still needed)."""
+    rng = random.Random(77)
+    long_strings = {"type": "object", "properties": {
+        "s": {"type": "string", "minLength": 9, "maxLength": 14},
+        "a": {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 7, "maxLength": 9},
+                                                   {"type": "string", "minLength": 11, "maxLength": 12}]},
+              "maxItems": 2}}, "required": ["s", "a"]}
+    checked = 0
+    for trial in range(80):
+        vocab = random_vocabulary(rng)
+        schema = long_strings if trial % 4 == 0 else random_schema(rng)
+        constraint = Constraint(automaton(schema), vocab)
+        matcher = constraint.matcher()
+        budget = constraint.automaton.finish(matcher.state) + 1 + rng.randint(0, 12)
+        for step in range(budget):
+            left = budget - step
+            for asked in (None, left, rng.randint(1, left)):
+                want = brute_force_allowed(constraint, matcher.state, asked)
+                got = matcher.allowed_ids(asked)
+                assert set(got) == want and list(got) == sorted(got), (schema, step, asked)
+                assert int.from_bytes(matcher.mask(asked), "little") == sum(1 << i for i in want)
+                checked += 1
+            allowed = matcher.allowed_ids(left)
+            token = rng.choice(allowed)
+            matcher.accept(token)
+            if matcher.ended:
+                break
+    assert checked > 800  # states x budgets compared

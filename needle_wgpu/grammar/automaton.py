@@ -53,6 +53,11 @@ class Node:
         of its whole text, for the children it still calls)."""
         return 0
 
+    def sealed(self, local, plain) -> bool:
+        """Whether bytes of ``plain`` alone can never finish this node from ``local`` (nor call
+        a child): what follows the node cannot matter to a text of such bytes."""
+        return False
+
 
 class Literal(Node):
     """Exactly one byte string."""
@@ -164,6 +169,9 @@ class FreeText(Node):
     def rest(self, local, sizes):
         return len(self.end) - local[0]
 
+    def sealed(self, local, plain):
+        return any(b not in plain for b in self.end[local[0]:])
+
 
 # UTF-8: a lead byte -> (continuation bytes, the allowed range of the first of them)
 def _lead(byte):
@@ -222,6 +230,9 @@ class String(Node):
             return 0
         return local[0] + local[2] + local[5] + 1  # characters, pending bytes, an escape, the quote
 
+    def sealed(self, local, plain):
+        return local != "end" and 0x22 not in plain  # only a quote ends a string
+
     def canon(self, local, span):
         if local is None or local == "end":
             return local
@@ -248,6 +259,8 @@ class Number(Node):
         self.quantum = Fraction(1, 10 ** self.frac_digits)
         self.low = None if low is None else self._grid_bound(float(low), exclusive_low, upper=False)
         self.high = None if high is None else self._grid_bound(float(high), exclusive_high, upper=True)
+        self._rests: dict = {}  # text -> fewest bytes that finish it
+        self._live: dict = {}  # text -> whether it is a prefix of a number in range
 
     def _grid_bound(self, bound: float, exclusive: bool, upper: bool) -> Fraction:
         """The smallest grid value whose float is >= bound (> when exclusive), or for ``upper``
@@ -318,11 +331,20 @@ class Number(Node):
         if not (0x30 <= byte <= 0x39 or byte == 0x2D and not text or byte == 0x2E):
             return None
         longer = text + bytes((byte,))
-        return longer if self.feasible(longer) else None
+        live = self._live.get(longer)
+        if live is None:  # memoised: many states (and mask walks) share a number's prefixes
+            live = self._live[longer] = self.feasible(longer)
+        return longer if live else None
 
     def rest(self, text, sizes):
         """Breadth first over the next bytes (numbers are short; a wide search is cut off at a
-        bound that is always enough: every digit allowed)."""
+        bound that is always enough: every digit allowed). Memoised: mask walks ask often."""
+        known = self._rests.get(text)
+        if known is None:
+            known = self._rests[text] = self._search_rest(text)
+        return known
+
+    def _search_rest(self, text):
         frontier, depth = [text], 0
         while frontier and depth <= self.int_digits + self.frac_digits + 3:
             if any(self.final(t) for t in frontier):
@@ -570,6 +592,10 @@ class Automaton:
 
     def _intern(self, state: frozenset) -> frozenset:
         return self._interned.setdefault(state, state)
+
+    def interned(self, state: frozenset) -> frozenset:
+        """The one object of states equal to ``state`` (made from stacks elsewhere)."""
+        return self._intern(state)
 
     def _expand_all(self, stacks) -> frozenset:
         out: set = set()

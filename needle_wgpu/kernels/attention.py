@@ -227,7 +227,7 @@ def _cache_mode(op: str, cache: KvCache, int8: bool | None) -> bool:
 def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp16_store, layer: int,
              qkvg, ring, ring_size: int, q_out, cache: KvCache, positions: int, int8: bool | None = None,
              qkvg_stride: int | None = None, q_stride: int | None = None, q_quant: bool = False,
-             kv_levels: tuple = ()) -> None:
+             kv_levels: tuple = (), pad_tokens=None) -> None:
     """Needle 3's conv, per-head norm and RoPE of one chunk; q out, K/V into the cache (§4.5
     items 4-7, §6). ``shape``: ``needle3_shape(geometry, layer)``; ``fp16_store`` (an
     ``Fp16Store``) holds ``layers.{layer}.{q,k,v}_taps`` and ``q_norm`` / ``k_norm``.
@@ -247,9 +247,11 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp
     (uniform Step, pos0), 2 ``qkvg`` f32 [T][qkvg_stride] (raw q | k | v | gate; read), 3 the
     range of ``fp16`` holding the layer's taps and norms (offsets in params are relative to it),
     4 ``ring`` f32 [ring_size][q+k+v] (raw rows by position mod ring_size; read, then this
-    chunk's rows written), 5 ``q_out`` f32 [T][q_stride], 6 the cache buffer (see ``KvCache``).
+    chunk's rows written), 5 ``q_out`` f32 [T][q_stride], 6 the cache buffer (see ``KvCache``),
+    7 ``pad_tokens`` u32 [context] when given (PAD_MASK: conv taps j >= 1 reading the pad id 0
+    are skipped, §U a; otherwise ``qkvg`` is bound again and never read).
     Workgroups: (T,), 256 invocations. Constants: CAP (q+k+v rounded up to 256), INT8, Q_QUANT,
-    KV_CQ (b, or 0), PIO2_1..4.
+    KV_CQ (b, or 0), PIO2_1..4, PAD_MASK.
     Requires ring_size >= T + taps - 1 (no slot this chunk reads is written by it) and
     positions below 2^16 (the angle reduction).
     """
@@ -283,9 +285,10 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp
                        0, 0, 0, 0, *sh.frequencies(), *kv_levels, *[0.0] * (MAX_KV_LEVELS - len(kv_levels)))
     parts = pio2_parts()
     key = KernelKey("qkv_post", consts=(("CAP", cap), ("INT8", int8), ("Q_QUANT", bool(q_quant)), ("KV_CQ", kv_bits),
-                                        *((f"PIO2_{i + 1}", v) for i, v in enumerate(parts))))
-    plan.add(key, [params, step, qkvg, fp16, ring, q_out, cache.buffer], (positions,),
-             label=f"qkv_post {layer}")
+                                        *((f"PIO2_{i + 1}", v) for i, v in enumerate(parts)),
+                                        ("PAD_MASK", pad_tokens is not None)))
+    plan.add(key, [params, step, qkvg, fp16, ring, q_out, cache.buffer, qkvg if pad_tokens is None else pad_tokens],
+             (positions,), label=f"qkv_post {layer}")
 
 
 def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
@@ -305,7 +308,7 @@ def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
 def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q, cache: KvCache, o,
               positions: int, gate=None, gate_stride: int | None = None, gate_offset: int | None = None,
               int8: bool | None = None, q_stride: int | None = None, o_stride: int | None = None,
-              label: str = "attention") -> None:
+              pad_tokens=None, label: str = "attention") -> None:
     """Causal GQA attention of one chunk: o[t][hq·vd + j] = attention(q_t, hq)_j, times
     σ(g[t][gate_offset + hq·vd + j]) when ``shape.gate`` (Needle 3 §4.5 items 8-9, §6 item 1;
     dense §3).
@@ -321,9 +324,11 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     Bindings (``attention.wgsl``): 0 params, 1 ``step`` (uniform Step), 2 ``q`` f32
     [T][q_stride] (qkv_post's / qk_rope's output), 3 the cache buffer, 4 ``gate`` f32
     [T][gate_stride] (Needle 3: the qkvg rows, gate at offset q + k + v widths, the defaults;
-    without a gate, ``q`` is bound again and never read), 5 ``o`` f32 [T][o_stride].
+    without a gate, ``q`` is bound again and never read), 5 ``o`` f32 [T][o_stride], 6
+    ``pad_tokens`` u32 [context] when given (PAD_MASK: keys at the pad id 0 are skipped, Needle
+    3 §U a; otherwise ``q`` is bound again and never read).
     Workgroups: (H, T), 256 invocations. Constants: KV_MODE (``cache.mode_code``), GATE, VCOLS (v
-    head width rounded up to a power of two), QK_DIM, K_ROW.
+    head width rounded up to a power of two), QK_DIM, K_ROW, PAD_MASK.
     """
     sh = shape
     int8 = _cache_mode("attention", cache, int8)
@@ -339,9 +344,11 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
                        cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
                        sh.score_scale, 0, 0, 0)
     key = KernelKey("attention", consts=(("KV_MODE", cache.mode_code), ("GATE", sh.gate), ("VCOLS", vcols),
-                                          ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row)))
+                                          ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row),
+                                          ("PAD_MASK", pad_tokens is not None)))
     gates = gate if sh.gate else q
-    plan.add(key, [params, step, q, cache.buffer, gates, o], (sh.heads, positions), label=label)
+    plan.add(key, [params, step, q, cache.buffer, gates, o, q if pad_tokens is None else pad_tokens],
+             (sh.heads, positions), label=label)
 
 
 ROPE_CODES = {"none": 0, "adjacent": 1, "neox": 2}

@@ -40,7 +40,8 @@ def check(geometry: Needle3Geometry, group: int, workgroup_bytes: int) -> None:
                                     f"need {need} bytes of workgroup memory (the device has {workgroup_bytes})")
 
 
-def _fetch_key(geometry: Needle3Geometry, tables: CQPack, entry: str, act_quant: bool = False) -> KernelKey:
+def _fetch_key(geometry: Needle3Geometry, tables: CQPack, entry: str, act_quant: bool = False,
+               pad_mask: bool = False) -> KernelKey:
     g = geometry
     width = g.num_engram_tables * g.engram_sub_dim
     out_pad = -(-width // tables.group) * tables.group
@@ -48,7 +49,7 @@ def _fetch_key(geometry: Needle3Geometry, tables: CQPack, entry: str, act_quant:
     return KernelKey("engram", entry=entry, consts=(
         ("CODE_BITS", CODE_BITS[tables.bits]), ("LEVEL_BASE", LEVEL_BASE[tables.bits]), ("GROUP", tables.group),
         ("CAP", cap), ("FWHT_SCALE", fwht_scale(tables.group)), ("MAX_TABLES", MAX_TABLES),
-        ("ACT_QUANT", bool(act_quant))))
+        ("ACT_QUANT", bool(act_quant)), ("PAD_MASK", pad_mask)))
 
 
 def _fetch_params(arena: UniformArena, g: Needle3Geometry, tables: CQPack, site: int, positions: int) -> Binding:
@@ -72,7 +73,7 @@ def _fetch_params(arena: UniformArena, g: Needle3Geometry, tables: CQPack, site:
 
 
 def fetch(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, site: int, tables: CQPack, levels,
-          tokens, eh, positions: int, act_quant: bool = False) -> None:
+          tokens, eh, positions: int, act_quant: bool = False, pad_mask: bool = False) -> None:
     """eh[site][t] = prepare_input(e_p) for p = pos0 + t (§4.2, §5.5.1), one site per call;
     ``act_quant`` (deploy numerics) prepares A8(e_p) instead (§4.9 point 1).
 
@@ -82,11 +83,12 @@ def fetch(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, s
     (ids before position 0 count as 0). Bindings (``engram.wgsl``, entry ``fetch``): 0 params,
     1 ``step`` (uniform Step), 2 ``tokens`` u32 [context], 3 the site's tables pack (one slice),
     4 ``levels``, 5 ``eh`` f32 [sites][T][pad(tables·sub_dim)]. Workgroups: (T,), 256
-    invocations. Constants: CODE_BITS, LEVEL_BASE, GROUP, CAP, FWHT_SCALE, MAX_TABLES.
+    invocations. Constants: CODE_BITS, LEVEL_BASE, GROUP, CAP, FWHT_SCALE, MAX_TABLES, PAD_MASK
+    (``pad_mask``: also zeros where the n-gram's oldest id is the pad id 0, §U a).
     A dispatch per site keeps each dispatch at 4 storage buffers whatever the number of sites.
     """
     params = _fetch_params(arena, geometry, tables, site, positions)
-    plan.add(_fetch_key(geometry, tables, "fetch", act_quant),
+    plan.add(_fetch_key(geometry, tables, "fetch", act_quant, pad_mask),
              [params, step, tokens, Binding(tables.slices[0].buffer), levels, eh], (positions,),
              label=f"engram fetch {site}")
 
@@ -110,7 +112,7 @@ def ring_slots_needed(geometry: Needle3Geometry, positions: int) -> int:
 
 
 def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp16_store: Fp16Store, ekv, ring,
-         ring_size: int, ev, positions: int, stored_sites: tuple | None = None) -> None:
+         ring_size: int, ev, positions: int, stored_sites: tuple | None = None, pad_tokens=None) -> None:
     """ev[t][s] = Σ_j taps_s[j] ⊙ Vraw[s, p - j·dilation] for every site s (§4.2, §6 item 3).
 
     Tap j is skipped when j·dilation > p or p < j·max_order (both conditions of §4.2). Vraw of
@@ -119,7 +121,9 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     position mod ring_size. Each invocation then stores its own Vraw into the ring, which is
     race-free because ring_size >= T + (taps - 1)·dilation (asserted here).
     Bindings (``engram.wgsl``, entry ``conv``): 0 params, 1 ``step``, 2 ``fp16`` (taps
-    ``engram.{s}.taps`` [taps][d]), 3 ``ekv``, 4 ``ring``, 5 ``ev`` f32 [T][sites][d].
+    ``engram.{s}.taps`` [taps][d]), 3 ``ekv``, 4 ``ring``, 5 ``ev`` f32 [T][sites][d], 6
+    ``pad_tokens`` u32 [context] when given (PAD_MASK: tap j skipped where the id at
+    p - j·max_order is the pad id 0, §U a; otherwise ``ekv`` is bound again and never read).
     Workgroups: (ceil(d/256), T, sites), 256 invocations, one invocation per channel.
     ``stored_sites[s]``: the stored site whose taps site s uses (default s; a rung of elastic
     depth runs only its kept sites, §U f).
@@ -143,6 +147,6 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     # The module's fetch constants must be defined to compile; conv does not depend on them.
     key = KernelKey("engram", entry="conv", consts=(
         ("CODE_BITS", 2), ("LEVEL_BASE", 0), ("GROUP", 128), ("CAP", 256), ("FWHT_SCALE", fwht_scale(128)),
-        ("MAX_TABLES", MAX_TABLES), ("ACT_QUANT", False)))
-    plan.add(key, [params, step, window.binding, ekv, ring, ev], (-(-d // 256), positions, sites),
-             label="engram conv")
+        ("MAX_TABLES", MAX_TABLES), ("ACT_QUANT", False), ("PAD_MASK", pad_tokens is not None)))
+    plan.add(key, [params, step, window.binding, ekv, ring, ev, ekv if pad_tokens is None else pad_tokens],
+             (-(-d // 256), positions, sites), label="engram conv")

@@ -174,14 +174,16 @@ class Needle3Gpu:
         """Problems of a file that loaded (non-finite weights); requests refuse to run with any."""
         return self.cact.warnings
 
-    def session(self, context=None, kv=None, confidence=False, heads=()) -> "Needle3Session":
+    def session(self, context=None, kv=None, confidence=False, heads=(), pad_masked=False) -> "Needle3Session":
         """A session; ``confidence`` (or ``heads``, manifest codes) runs those probe heads'
         pools alongside every chunk of prefill and decode (§7). ``kv``: None (float numerics:
         "f32"; deploy: the header's kv_bits), "f32" or "int8", and under deploy numerics also
-        "cq2", "cq3", "cq4" (``needle_wgpu.numerics.kv_mode``)."""
+        "cq2", "cq3", "cq4" (``needle_wgpu.numerics.kv_mode``). ``pad_masked``: every
+        pad-dependent term is masked as in upstream's hidden cells (§U a), for the heads' pass."""
         if self.cact.nonfinite:
             raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
-        return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads)
+        return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads,
+                              pad_masked=pad_masked)
 
 
 def _pad(width: int, group: int) -> int:
@@ -199,7 +201,7 @@ class Needle3Session(ChunkedSession):
     supports_mask = True  # the sampler reads self.mask when the plan key says so
     supports_verify = True  # PlanKey.every_position: a sampler after every position
 
-    def __init__(self, model: Needle3Gpu, context=None, kv=None, confidence=False, heads=()):
+    def __init__(self, model: Needle3Gpu, context=None, kv=None, confidence=False, heads=(), pad_masked=False):
         g = model.geometry
         self.model = model
         self.kv_mode = numerics_rules.kv_mode(kv, model.numerics, g.kv_bits)
@@ -207,6 +209,8 @@ class Needle3Session(ChunkedSession):
         for layer in range(g.num_layers):
             attention_ops.check_kv_cq(attention_ops.needle3_shape(g, layer), self.kv_levels)
         self._open(model.device, context, g.max_seq_len)
+        # upstream's hidden cells (§U a): attention keys, conv taps and engram n-grams at the pad id 0 masked
+        self.pad_masked = flag(pad_masked, "pad_masked")
         self.logit_rows = g.head_rows
         self.int8 = self.kv_mode == "int8"
         dev = self.device
@@ -293,12 +297,13 @@ class Needle3Session(ChunkedSession):
 
         cells = self.cells
         deploy = m.deploy  # A8 inside the kernels that prepare a CQ product's input (§4.9)
+        pads = self.tokens if self.pad_masked else None  # the ids the pad mask reads (§U a)
         embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
                         lanes=self.lanes, positions=T, cells=cells)
         # Engram keys and values for every site, once per chunk (§4.2).
         for s, kept in enumerate(stored_sites):
             engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[kept], levels=m.levels,
-                             tokens=self.tokens, eh=self.eh, positions=T, act_quant=deploy)
+                             tokens=self.tokens, eh=self.eh, positions=T, act_quant=deploy, pad_mask=self.pad_masked)
         if sites and m.rung.full:
             cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
                       y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
@@ -308,7 +313,7 @@ class Needle3Session(ChunkedSession):
                           x_offset=s * T * self.eh_width, y_stride=sites * 2 * d, y_offset=s * 2 * d,
                           row_start=kept * 2 * d, rows=2 * d)
         engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
-                        ring_size=self.ring, ev=self.ev, positions=T, stored_sites=stored_sites)
+                        ring_size=self.ring, ev=self.ev, positions=T, stored_sites=stored_sites, pad_tokens=pads)
 
         qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         compiled = dev.pipeline_count
@@ -333,9 +338,10 @@ class Needle3Session(ChunkedSession):
             attention_ops.qkv_post(plan, arena, step, shape=shape, layer=kept, fp16_store=m.fp16, qkvg=self.qkvg,
                                    ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
                                    cache=self.caches[layer], positions=T, int8=self.int8,
-                                   q_quant=deploy and not self.int8, kv_levels=self.kv_levels)
+                                   q_quant=deploy and not self.int8, kv_levels=self.kv_levels, pad_tokens=pads)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer],
-                                    gate=self.qkvg, o=self.o, positions=T, int8=self.int8, label=f"attention {layer}")
+                                    gate=self.qkvg, o=self.o, positions=T, int8=self.int8, pad_tokens=pads,
+                                    label=f"attention {layer}")
             cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out,
                        act_quant=deploy)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,

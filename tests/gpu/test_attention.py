@@ -106,12 +106,17 @@ def synthetic(device, base, rng, layer=0, **sizes):
 # ------------------------------------------------------------------------------ the reference
 
 
-def reference_heads(g, p: Layer, raw, positions):
-    """q, k, v heads of positions from pos 0 (or after zero rows) from raw [N][q|k|v|gate] (§4.5 4-7)."""
+def reference_heads(g, p: Layer, raw, positions, keep=None):
+    """q, k, v heads of positions from pos 0 (or after zero rows) from raw [N][q|k|v|gate] (§4.5 4-7);
+    ``keep`` (bool per position, False at the pad id 0): conv taps j >= 1 reading a pad skipped (§U a)."""
     q_end, k_end = g.q_dim, g.q_dim + g.k_dim
     q, k, v = raw[:, :q_end], raw[:, q_end:k_end], raw[:, k_end : k_end + g.v_dim]
     if p.q_taps is not None:
-        q, k, v = (causal_conv(x, taps) for x, taps in ((q, p.q_taps), (k, p.k_taps), (v, p.v_taps)))
+        tap_keep = None
+        if keep is not None:
+            tap_keep = np.stack([np.ones(len(raw), bool)] + [np.concatenate((np.zeros(j, bool), keep[: len(raw) - j]))
+                                                             for j in range(1, p.q_taps.shape[0])])
+        q, k, v = (causal_conv(x, taps, None, tap_keep) for x, taps in ((q, p.q_taps), (k, p.k_taps), (v, p.v_taps)))
     qh = ref.position_heads(q, g.num_heads, p.q_norm, positions, g.rope_theta)
     kh = ref.position_heads(k, g.num_kv_heads, p.k_norm, positions, g.rope_theta)
     return qh, kh, ref.split_heads(v, g.num_kv_heads)
@@ -173,7 +178,8 @@ def check_quantised(got_int, got_scale, x_ref):
 class Runner:
     """Buffers and per-T plans for a layer: qkvg rows in, q and o out, a ring and a cache."""
 
-    def __init__(self, device, model, layer, *, context, int8, chunk, ring_size=None, q_quant=False, kv_levels=()):
+    def __init__(self, device, model, layer, *, context, int8, chunk, ring_size=None, q_quant=False, kv_levels=(),
+                 pad_ids=None):
         g = self.g = model.geometry
         self.q_quant, self.kv_levels = q_quant, kv_levels
         self.device, self.model, self.layer, self.int8 = device, model, layer, int8
@@ -186,6 +192,7 @@ class Runner:
         self.q = device.buffer(4 * chunk * g.q_dim, label="q")
         self.o = device.buffer(4 * chunk * g.attn_out, label="o")
         self.step = device.buffer(16, label="step", usage="uniform")
+        self.pads = None if pad_ids is None else upload(device, np.asarray(pad_ids, np.uint32), "tokens")
         self.plans = {}
 
     def plan(self, T, attend=True):
@@ -194,10 +201,11 @@ class Runner:
             step = Binding(self.step)
             ops.qkv_post(plan, arena, step, shape=self.shape, layer=self.layer, fp16_store=self.model.store,
                          qkvg=self.qkvg, ring=self.ring, ring_size=self.ring_size, q_out=self.q, cache=self.cache,
-                         positions=T, int8=self.int8, q_quant=self.q_quant, kv_levels=self.kv_levels)
+                         positions=T, int8=self.int8, q_quant=self.q_quant, kv_levels=self.kv_levels,
+                         pad_tokens=self.pads)
             if attend:
                 ops.attention(plan, arena, step, shape=self.shape, q=self.q, cache=self.cache,
-                              gate=self.qkvg, o=self.o, positions=T, int8=self.int8)
+                              gate=self.qkvg, o=self.o, positions=T, int8=self.int8, pad_tokens=self.pads)
             self.plans[(T, attend)] = (plan, arena)
         return self.plans[(T, attend)][0]
 
@@ -359,10 +367,10 @@ def test_int8_rounding_exact(device, tiny):
     np.testing.assert_array_equal(v8[0, 0, :9], (127, 2, -4, 0, 2, 0, -2, 126, -127))
 
 
-def reference_output(g, layer, int8, q, entries, raw, positions):
-    """o = attend(q, the given cache entries) ⊙ σ(g) (§4.5 items 8-9)."""
+def reference_output(g, layer, int8, q, entries, raw, positions, keep=None):
+    """o = attend(q, the given cache entries) ⊙ σ(g) (§4.5 items 8-9); ``keep``: the pad mask (§U a)."""
     heads = q.reshape(len(q), g.num_heads, -1)
-    attended = ref.attend(heads, positions, entries, positions, g.attention_span(layer), int8)
+    attended = ref.attend(heads, positions, entries, positions, g.attention_span(layer), int8, key_keep=keep)
     return attended.reshape(len(q), -1) * sigmoid(gate_of(g, raw))
 
 
@@ -394,6 +402,34 @@ def test_attention_prefill_and_decode(device, tiny, layer, int8):
     np.testing.assert_array_equal(o1, o2)
     for a, b in zip(e1, e2):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
+@pytest.mark.parametrize("layer", [0, 2], ids=["local", "global"])
+def test_pad_mask_in_qkv_post_and_attention(device, tiny, layer, int8):
+    """With the pad tokens bound (upstream's hidden cells, §U a): conv taps j >= 1 reading id 0
+    and keys at id 0 are skipped, across chunks and the ring; position 0 (a pad) sees no key
+    and gets zeros. The unmasked result differs, so the test sees the mask."""
+    g = tiny.geometry
+    rng = np.random.default_rng(300 + layer + 10 * int8)
+    N = 40
+    ids = rng.integers(4, 500, N)
+    ids[[0, 3, 15, 16, 17, 30]] = 0  # pads at the start and around the chunk edges
+    keep = ids != 0
+    raw, positions = random_raw(rng, g, N), np.arange(N)
+    qh, kh, vh = reference_heads(g, tiny.layers[layer], raw, positions, keep)
+    runner = Runner(device, tiny, layer, context=64, int8=int8, chunk=16, pad_ids=np.append(ids, 0))
+    q, o, entries = run_schedule(runner, raw, (16, 16, 8))
+    check_heads(g, int8, q, entries, qh, kh, vh)
+    if int8:
+        want = reference_output(g, layer, True, q, entries, raw, positions, keep)
+    else:
+        want = reference_output(g, layer, False, qh.reshape(N, -1), (kh, vh), raw, positions, keep)
+        plain_qh, plain_kh, plain_vh = reference_heads(g, tiny.layers[layer], raw, positions)
+        plain = reference_output(g, layer, False, plain_qh.reshape(N, -1), (plain_kh, plain_vh), raw, positions)
+        assert rel(plain, want) > 1e-2
+    assert rel(o, want) <= GATE
+    assert not o[0].any()
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])

@@ -168,14 +168,26 @@ def test_embed_split_pack(tiny):
 # ---------------------------------------------------------------------------------- engram
 
 
-def engram_reference(gpu, ids):
-    """Per site: idx, valid, eh (prepared fetch), K, Vraw and V for positions 0..len(ids)-1."""
+def shifted(keep, offset):
+    """keep[p - offset], False where p < offset (upstream's mask diagonal, §U a)."""
+    return np.concatenate((np.zeros(min(offset, len(keep)), bool), keep[: max(len(keep) - offset, 0)]))
+
+
+def engram_reference(gpu, ids, pad_masked=False):
+    """Per site: idx, valid, eh (prepared fetch), K, Vraw and V for positions 0..len(ids)-1;
+    ``pad_masked``: tables whose n-gram starts at id 0 and value taps on id 0 dropped (§U a)."""
     g = gpu.g
     back = g.engram_max_order - 1
     idx = ref_engram.hash_indices(np.asarray(ids, np.uint64), np.zeros(back, np.uint64), g.engram_orders,
                                   g.engram_heads, g.engram_seed_heads, g.engram_slots)
     positions = np.arange(len(ids))
     valid = ref_engram.hash_validity(positions, g.engram_orders, g.engram_heads)
+    value_keep = None
+    if pad_masked:
+        keep = np.asarray(ids) != 0
+        orders = np.repeat(np.asarray(g.engram_orders), g.engram_heads)
+        valid = valid & np.stack([shifted(keep, o - 1) for o in orders], axis=1)
+        value_keep = np.stack([shifted(keep, j * g.engram_max_order) for j in range(g.engram_conv_taps)])
     sites = []
     for s in range(len(g.engram_sites)):
         tables = gpu.cq_matrix(f"engram.{s}.tables")
@@ -184,7 +196,8 @@ def engram_reference(gpu, ids):
         keys, raw = ref_engram.project(gpu.cq_matrix(f"engram.{s}.key_proj"), gpu.cq_matrix(f"engram.{s}.value_proj"),
                                        fetched)
         taps = float_array(gpu.f[f"engram.{s}.taps"])
-        values = ref_engram.value_conv(raw, taps, g.engram_conv_dilation, g.engram_max_order, positions)
+        values = ref_engram.value_conv(raw, taps, g.engram_conv_dilation, g.engram_max_order, positions,
+                                       tap_keep=value_keep)
         sites.append({"eh": eh, "k": keys, "vraw": raw, "v": values})
     return idx, valid, sites
 
@@ -192,8 +205,9 @@ def engram_reference(gpu, ids):
 class EngramRun:
     """The chunk pipeline of docs/gpu-layout.md rows 2-4, with prebuilt plans per chunk size."""
 
-    def __init__(self, device, gpu, ids, max_chunk, ring):
+    def __init__(self, device, gpu, ids, max_chunk, ring, pad_masked=False):
         g = gpu.g
+        self.pad_masked = pad_masked
         self.device, self.gpu, self.g = device, gpu, g
         self.sites, self.d = len(g.engram_sites), g.d_model
         self.d_pad = -(-g.d_model // 128) * 128
@@ -217,11 +231,13 @@ class EngramRun:
                               slots=self.slots, positions=T)
             for s in range(self.sites):
                 engram_ops.fetch(plan, arena, self.step, geometry=g, site=s, tables=gpu.tables[s],
-                                 levels=gpu.levels, tokens=self.tokens, eh=self.eh, positions=T)
+                                 levels=gpu.levels, tokens=self.tokens, eh=self.eh, positions=T,
+                                 pad_mask=self.pad_masked)
             cq.matmul(plan, arena, gpu.kv, gpu.levels, self.eh, self.ekv, positions=T, x_stride=self.d_pad,
                       y_stride=self.sites * 2 * self.d, x_block_rows=2 * self.d, x_block_stride=T * self.d_pad)
             engram_ops.conv(plan, arena, self.step, geometry=g, fp16_store=gpu.fp16, ekv=self.ekv, ring=self.ring,
-                            ring_size=self.ring_size, ev=self.ev, positions=T)
+                            ring_size=self.ring_size, ev=self.ev, positions=T,
+                            pad_tokens=self.tokens if self.pad_masked else None)
             self.plans[T] = plan
         return self.plans[T]
 
@@ -280,6 +296,25 @@ def test_projections_and_conv_across_chunks(gpu, engram_runs):
         for s, site in enumerate(sites):
             assert rel(out["ekv"][:, s, 0], site["k"][pos0 : pos0 + T]) <= GATE
             assert rel(out["ekv"][:, s, 1], site["vraw"][pos0 : pos0 + T]) <= GATE
+            assert rel(out["ev"][:, s], site["v"][pos0 : pos0 + T]) <= GATE, (pos0, s)
+
+
+def test_pad_mask_in_fetch_and_conv(device, gpu):
+    """With the pad mask (upstream's hidden cells, §U a): a table whose n-gram starts at id 0
+    fetches zeros and a value tap on id 0 is skipped, across a chunk edge and decode steps;
+    the unmasked values differ, so the test sees the mask."""
+    rng = np.random.default_rng(12)
+    ids = rng.integers(4, gpu.g.vocab, size=25).tolist()
+    for p in (0, 5, 8, 9, 15, 21):
+        ids[p] = 0
+    run = EngramRun(device, gpu, ids, max_chunk=12, ring=engram_ops.ring_slots_needed(gpu.g, 12), pad_masked=True)
+    _, _, sites = engram_reference(gpu, ids, pad_masked=True)
+    _, _, plain = engram_reference(gpu, ids)
+    assert rel(plain[0]["v"], sites[0]["v"]) > 1e-2
+    for pos0, T in CHUNKS:
+        out = run.chunk(pos0, T)
+        for s, site in enumerate(sites):
+            assert rel(out["eh"][s], site["eh"][pos0 : pos0 + T]) <= GATE, (pos0, s)
             assert rel(out["ev"][:, s], site["v"][pos0 : pos0 + T]) <= GATE, (pos0, s)
 
 

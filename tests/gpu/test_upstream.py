@@ -87,15 +87,21 @@ def test_valid_variants_match_the_reference(device, kind):
 
 
 def test_pad_positions_leave_the_gpu_probe_pools(models):
-    """Positions holding the pad id 0 are skipped by every head's pool (§U a), as in the
-    reference; a sequence of pads only is no evidence (confidence 0.5) and no embedding."""
+    """Positions holding the pad id 0 are skipped by every head's pool and masked inside the
+    cells as in upstream's hidden cells (§U a; the reference's ``pad_masked``, which here
+    differs from the unmasked pass); a sequence of pads only is no evidence (confidence 0.5)
+    and no embedding."""
     model = models["small-allheads"]
     reference = ReferenceModel(cact.load(upstream_file("small-allheads")))
-    ids = [2, 17, 0, 40, 9, 0, 300, 12]
-    assert np.abs(np.array(model.route(ids=ids).logits) - reference.head_output(3, ids)).max() <= 1e-4
-    assert np.array(model.embed(ids=ids)) @ reference.embedding(ids) >= 0.9999
+    ids = [2, 17, 0, 40, 9, 0, 300, 12, 0, 0, 55]
+    route = reference.head_output(3, ids, pad_masked=True)
+    assert np.abs(route - reference.head_output(3, ids)).max() > 1e-3  # the mask matters here
+    assert np.abs(np.array(model.route(ids=ids).logits) - route).max() <= 1e-4
+    embedding = reference.head_output(1, ids, pad_masked=True)
+    assert embedding @ reference.embedding(ids) < 0.9999
+    assert np.array(model.embed(ids=ids)) @ embedding >= 0.9999
     p = model.confidence(ids)
-    assert abs(math.log(p / (1 - p)) - reference.confidence_logit(ids)) <= 1e-4
+    assert abs(math.log(p / (1 - p)) - float(reference.head_output(2, ids, pad_masked=True)[0])) <= 1e-4
     assert model.confidence([0, 0]) == 0.5
     with pytest.raises(InputError, match="pad id 0"):
         model.embed(ids=[0])
