@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .automaton import Choice, GrammarError, Sequence
 from .schema import Limits, SchemaCompiler
-from .tool_calls import tool_definitions
+from .tool_calls import call_objects
 
 CALL_OPEN, CALL_CLOSE, CALL_SEPARATOR = b"<tool_call>\n", b"\n</tool_call>", b"\n"
 
@@ -23,16 +23,7 @@ CALL_OPEN, CALL_CLOSE, CALL_SEPARATOR = b"<tool_call>\n", b"\n</tool_call>", b"\
 def tagged_calls(compiler: SchemaCompiler, tools, names=None, max_calls: int = 4) -> int:
     """The node of 1 .. ``max_calls`` tool-call blocks, each calling one of ``tools`` (only
     those in ``names`` when given)."""
-    calls = []
-    for name, parameters in tool_definitions(tools):
-        if names is not None and name not in names:
-            continue
-        try:
-            calls.append(compiler.schema({"type": "object", "properties": {"name": {"const": name},
-                                                                           "arguments": parameters},
-                                          "required": ["name", "arguments"]}))
-        except GrammarError as exc:
-            raise GrammarError(f"tool {name!r}: {exc}") from None
+    calls = call_objects(compiler, tools, names)
     if not calls:
         raise GrammarError("no tool to call")
     call = calls[0] if len(calls) == 1 else compiler.add(Choice(calls))

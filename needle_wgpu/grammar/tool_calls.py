@@ -31,6 +31,23 @@ def tool_definitions(tools) -> list:
     return out
 
 
+def call_objects(compiler: SchemaCompiler, tools, names=None) -> list:
+    """One node per tool (only those in ``names`` when given): the object
+    ``{"name": <its name>, "arguments": <its parameters>}``; a schema outside the subset is a
+    ``GrammarError`` naming the tool."""
+    calls = []
+    for name, parameters in tool_definitions(tools):
+        if names is not None and name not in names:
+            continue
+        try:
+            calls.append(compiler.schema({"type": "object", "properties": {"name": {"const": name},
+                                                                           "arguments": parameters},
+                                          "required": ["name", "arguments"]}))
+        except GrammarError as exc:
+            raise GrammarError(f"tool {name!r}: {exc}") from None
+    return calls
+
+
 def tool_call_grammar(tools, limits: Limits = Limits(), think_bytes: int = 1024, max_calls: int = 8,
                       min_calls: int = 0) -> list:
     """The nodes of the answer grammar for ``tools`` (a JSON string or list, as the prompt takes).
@@ -38,14 +55,7 @@ def tool_call_grammar(tools, limits: Limits = Limits(), think_bytes: int = 1024,
     ``min_calls`` > 0 takes the refusal ``[]`` away (it needs at least one tool)."""
     compiler = SchemaCompiler(limits)
     root = compiler.reserve()
-    calls = []
-    for name, parameters in tool_definitions(tools):
-        try:
-            calls.append(compiler.schema({"type": "object", "properties": {"name": {"const": name},
-                                                                           "arguments": parameters},
-                                          "required": ["name", "arguments"]}))
-        except GrammarError as exc:
-            raise GrammarError(f"tool {name!r}: {exc}") from None
+    calls = call_objects(compiler, tools)
     if calls:
         item = calls[0] if len(calls) == 1 else compiler.add(Choice(calls))
         array = compiler.add(JsonArray(item, min(min_calls, max_calls), max_calls))
