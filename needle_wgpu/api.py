@@ -209,7 +209,7 @@ class Model:
 
                 draft = self.gpu.at_depth(spec[0]).session(context=session.context, kv=kv)
                 speculator, queue = SpeculativeDecoder(session, draft, spec[1], sampling), []
-                next_id = speculator.start(request)
+                next_id = speculator.start(request, should_stop)
             else:
                 next_id = session.prefill(request, sampling, **extra)
             if next_id is None:  # should_stop said so between chunks

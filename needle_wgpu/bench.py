@@ -236,7 +236,7 @@ def _speculative_speeds(gpu, text_pairs, prompt: list, decode_tokens: int) -> di
         return ids[: decode_tokens + 1]
 
     configs = [("plain", run_plain)]
-    for pair in speculative_pairs(text_pairs, layers):
+    for pair in speculative_pairs(text_pairs, gpu.geometry.num_layers):  # drafts below the depth it runs at
         depth, k = speculative_option(pair, layers, gpu.geometry.num_layers)
         decoder = SpeculativeDecoder(gpu.session(context=context), gpu.at_depth(depth).session(context=context),
                                      k, greedy)
@@ -298,7 +298,8 @@ def run_constrained_benchmark(args) -> dict:
     from .sampling import Sampling, clamp_count
 
     path = args.model or str(default_model())
-    model = load(path, progress=Progress())
+    numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)
+    model = load(path, progress=Progress(), numerics=numerics, depth=depth)
     g, tokenizer = model.geometry, model.tokenizer
     grammar_of = getattr(model.chat_format, "answer_grammar", None)
     if grammar_of is not None:
@@ -358,6 +359,8 @@ def run_constrained_benchmark(args) -> dict:
     result = {
         "model": str(path),
         "family": model.describe()["family"],
+        "numerics": numerics,
+        "depth": model.describe().get("depth"),
         "vocab": g.vocab,
         "grammar": "tool calls" if grammar_of is not None else "JSON schema",
         "adapter": model.gpu.device.adapter_name,

@@ -125,6 +125,8 @@ def cmd_generate(args) -> int:
     if schema is not None and (args.prompt is None or args.query is not None or args.tools is not None or args.stop):
         raise NeedleError("--json-schema constrains a raw completion: give --prompt, and no --query, --tools "
                           "or --stop")
+    if args.speculative is not None and (schema is not None or args.logprobs is not None):
+        raise NeedleError("--speculative decodes unconstrained, without logprobs: drop --json-schema / --logprobs")
     model = _load_args(args, _path_of(args), Progress(args.quiet))
     options = dict(sampling_keywords(args), kv=args.kv, stop=args.stop or (), context=args.context)
     if args.logprobs is not None:
@@ -243,6 +245,9 @@ def _ids_option(text: str) -> list:
 def cmd_bench(args) -> int:
     from .bench import run_benchmark, run_constrained_benchmark
 
+    if args.constrained and (args.rungs is not None or args.speculative is not None):
+        raise NeedleError("bench --constrained measures the grammar mask alone: run --rungs/--speculative "
+                          "separately")
     _check_writable(args.json)  # before minutes of benchmarking, not after
     (run_constrained_benchmark if args.constrained else run_benchmark)(args)
     return 0

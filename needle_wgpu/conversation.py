@@ -307,6 +307,7 @@ class Conversation:
             stats.rewound = True
             if session.rewindable:
                 session.rewind(same)
+                self.cached = self.cached[:same]  # what the cache holds now (a turn may end before prefill)
             else:
                 self.close()
                 session = self._session()

@@ -1,7 +1,7 @@
 """The one place that maps a model file to its family, by the file's magic (never its name).
 
 A family is a module with ``sniff(head) -> bool``, ``read(source)`` (parse and validate the
-file, no GPU), ``open(parsed, device, progress, numerics) -> GpuModel``, ``describe(parsed) -> dict``
+file, no GPU), ``open(parsed, device, progress, numerics[, depth]) -> GpuModel``, ``describe(parsed) -> dict``
 and ``NUMERICS`` (the numerics it runs, ``needle_wgpu.numerics``);
 ``api.Model`` drives the GpuModel.
 """

@@ -132,15 +132,27 @@ class SpeculativeDecoder:
         """Accepted drafts over drafted ones."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def start(self, ids: list) -> int:
-        """Prefill both sessions; returns the full model's first id."""
+    def start(self, ids: list, should_stop=None) -> int | None:
+        """Prefill both sessions; returns the full model's first id, or None where
+        ``should_stop(done, total)``, asked before each prefill chunk of either session, says so."""
+        stopped = []
+
+        def asked(done, total):
+            if should_stop is not None and should_stop(done, total):
+                stopped.append(True)
+            return bool(stopped)
+
         if self.sampling.greedy:
-            self.pending = self.full.prefill(ids, self.sampling)
+            self.pending = self.full.prefill(ids, self.sampling, should_stop=asked)
         else:
-            self.full.prefill(ids[:-1])
+            self.full.prefill(ids[:-1], should_stop=asked)
+            if stopped:
+                return None
             self.pending = draw(distribution(self.full.last_logits(ids[-1:]), self.sampling), self.rng.random())
-        self.draft.prefill(ids)
-        return self.pending
+        if stopped:
+            return None
+        self.draft.prefill(ids, should_stop=asked)
+        return None if stopped else self.pending
 
     def round(self) -> list:
         """One round: 1 to k + 1 ids, the last of them pending (not yet fed)."""

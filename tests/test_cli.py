@@ -203,3 +203,14 @@ def test_generate_and_chat_take_the_sampling_options(tmp_path, capsys, monkeypat
     args = cli.build_parser().parse_args(["chat", path, "--min-p", "0.2", "--logit-bias", '{"3": 1}'])
     options = chat_cli._options(args)
     assert options["min_p"] == 0.2 and options["logit_bias"] == {"3": 1} and options["penalty_last_n"] == 64
+
+
+def test_options_that_cannot_combine_are_refused_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = str(tmp_path / "unused.cact")
+    for argv in (["bench", path, "--constrained", "--rungs", "all"],
+                 ["bench", path, "--constrained", "--speculative"],
+                 ["generate", path, "--prompt", "hi", "--speculative", "2,3", "--logprobs", "2"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("--constrained" in err or "--speculative" in err), err

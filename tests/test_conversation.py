@@ -225,3 +225,26 @@ def test_a_family_without_a_template_refuses_conversations():
     with pytest.raises(UnsupportedModelError):
         Model(NoTemplate()).conversation()
     assert issubclass(UnsupportedModelError, NeedleError)
+
+
+def test_a_rewound_turn_that_runs_nothing_leaves_the_cache_record_true():
+    """A turn rewinds to where the history changed and then ends before prefill (no reply of
+    its grammar fits the budget): the next turn, whose history matches the old ids again, must
+    reuse only what the session still holds, not the longer record of before the rewind."""
+    from needle_wgpu.grammar import Automaton, Constraint, Vocabulary, compile_schema
+
+    gpu = ScriptedGpu(["one", "two"])
+    model = Model(gpu)
+    constraint = Constraint(Automaton(compile_schema({"const": "a long constant answer"})),
+                            Vocabulary.of_tokenizer(gpu.tokenizer, rows=gpu.geometry.head_rows))
+    conversation = model.conversation("Be brief.")
+    conversation.send("Hi")
+    conversation.set_system("Be verbose.")
+    conversation.send("Again", max_tokens=1, constraint=constraint)  # rewinds, then fits no answer
+    same = len(gpu.tokenizer.encode("<|im_start|>system\nBe", parse_special=True))
+    assert conversation.turns[1].finish_reason == "length" and gpu.rewinds == [same]
+    assert gpu.sessions[-1].position == same and len(conversation.cached) == same
+    conversation.set_system("Be brief.")
+    conversation.send("More")
+    turn = conversation.turns[2]
+    assert turn.reused == same and gpu.prefills[-1] == turn.prompt_tokens - same

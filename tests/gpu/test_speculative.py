@@ -168,3 +168,31 @@ def test_rejected_drafts_leave_greedy_output_unchanged(tiny):
         assert got[: len(want)] == want, trial
         drafted, accepted = drafted + decoder.drafted, accepted + decoder.accepted
     assert 0 < accepted < drafted / 2  # rejections and acceptances both happened
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_should_stop_is_asked_during_a_speculative_prefill(small, temperature):
+    asked = []
+
+    def stop(done, total):
+        asked.append((done, total))
+        return True
+
+    out = small.generate(ids=[2] + list(range(10, 40)), max_tokens=8, temperature=temperature,
+                         speculative=(2, 3), should_stop=stop)
+    assert out.finish_reason == "stopped" and out.ids == [] and len(asked) == 1 and asked[0][0] == 0
+    with pytest.raises(needle_wgpu.errors.InputError, match="speculative"):
+        small.generate(ids=[2, 5], max_tokens=4, speculative=(2, 3), logprobs=True)
+
+
+def test_bench_speculative_defaults_draft_below_the_depth_it_runs_at(device):
+    """``bench --depth N --speculative``: the default pairs come from the depth the model runs
+    at, not the file's own layer count (the 4-layer fixture's default draft, depth 2, is below
+    its 3-block rung and is no draft at all for its 2-block one)."""
+    from needle_wgpu.bench import _speculative_speeds
+
+    for depth, drafts in ((3, {2}), (2, set())):
+        model = needle_wgpu.load(upstream_file("small"), device=device, depth=depth)
+        out = _speculative_speeds(model.gpu, [], list(range(2, 12)), 4)
+        assert {run["depth"] for run in out["runs"]} == drafts
+        assert all(run["ids_equal_plain"] for run in out["runs"]) and out["plain_decode_tok_s"] > 0
