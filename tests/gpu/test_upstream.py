@@ -15,7 +15,7 @@ from needle_wgpu.formats import cact
 from needle_wgpu.reference.model import ReferenceModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from upstream_fixtures import NAMES, SEQUENCES, logit_error, oracle, upstream_file, variant  # noqa: E402
+from upstream_fixtures import NAMES, SEQUENCES, assert_matches_oracle, logit_error, oracle, upstream_file, variant  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +27,7 @@ def models(device):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_and_confidence_match_upstream(models, name):
-    model, z = models[name], oracle(name)
-    for seq in SEQUENCES:
-        ids = z[f"{seq}.ids"].tolist()
-        rel, mismatches = logit_error(np.array(model.logits(ids)), z[f"{seq}.logits"])
-        assert rel <= 1e-4 and mismatches == 0, (seq, rel, mismatches)
-        p = model.confidence(ids)
-        assert abs(math.log(p / (1 - p)) - float(z[f"{seq}.confidence"])) <= 1e-4, seq
+    assert_matches_oracle(models[name], name)
 
 
 def test_embedding_and_router_match_upstream(models):
