@@ -75,3 +75,19 @@ def ensure_bundled(page) -> None:
     if model is None or model["name"] != BUNDLED.name or model["bytes"] != BUNDLED.stat().st_size:
         reply = load_bundled(page)
         assert reply["ok"], reply
+
+
+def chat_turn(page, text: str, max_tokens: int, stop_after: int | None = None) -> dict:
+    """One chat turn through the form (with ``stop_after``: Stop once that many tokens streamed);
+    the worker's result."""
+    fill_form(page, mode="chat", max_tokens=max_tokens)
+    page.fill("#chat-input", text)
+    page.evaluate("() => { window.needle.lastResult = null; window.needle.streamedTokens = 0; }")
+    page.click("#generate-button")
+    if stop_after is not None:
+        page.wait_for_function("(n) => window.needle.streamedTokens >= n", arg=stop_after)
+        page.click("#stop-button")
+    page.wait_for_function("() => window.needle.lastResult !== null")
+    reply = page.evaluate("() => window.needle.lastResult")
+    assert reply["ok"], reply
+    return reply["result"]

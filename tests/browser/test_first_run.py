@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .pages import BUNDLED, SLOW_PAGE_MS, banner, ensure_bundled, fill_form, generate, launch, load_file
+from .pages import BUNDLED, SLOW_PAGE_MS, banner, chat_turn, ensure_bundled, fill_form, generate, load_file
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -177,20 +177,6 @@ def test_load_while_the_engine_starts_loads_once(browser, site):
         assert banner(page) == ""
     finally:
         context.close()
-
-
-def chat_turn(page, text: str, max_tokens: int, stop_after: int | None = None) -> dict:
-    fill_form(page, mode="chat", max_tokens=max_tokens)
-    page.fill("#chat-input", text)
-    page.evaluate("() => { window.needle.lastResult = null; window.needle.streamedTokens = 0; }")
-    page.click("#generate-button")
-    if stop_after is not None:
-        page.wait_for_function("(n) => window.needle.streamedTokens >= n", arg=stop_after)
-        page.click("#stop-button")
-    page.wait_for_function("() => window.needle.lastResult !== null")
-    reply = page.evaluate("() => window.needle.lastResult")
-    assert reply["ok"], reply
-    return reply["result"]
 
 
 def test_stop_in_a_chat_keeps_the_reply_and_the_cache(app, tmp_path):

@@ -20,7 +20,7 @@ import needle_wgpu
 from needle_wgpu.chat.template import render_chatml
 from needle_wgpu.reference.dense import DenseReference
 
-from .pages import ARTIFACTS, SMOLLM2, ensure_bundled, fill_form, load_bundled, request
+from .pages import ARTIFACTS, SMOLLM2, chat_turn, ensure_bundled, load_bundled, request
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -110,17 +110,6 @@ def test_the_page_renders_the_models_own_chat_template(smollm2_page, desktop):
     assert first != render_chatml(conversations[0]) and "named SmolLM" in first
 
 
-def send(page, text: str, max_tokens: int) -> dict:
-    fill_form(page, mode="chat", max_tokens=max_tokens)
-    page.fill("#chat-input", text)
-    page.evaluate("() => { window.needle.lastResult = null; }")
-    page.click("#generate-button")
-    page.wait_for_function("() => window.needle.lastResult !== null")
-    reply = page.evaluate("() => window.needle.lastResult")
-    assert reply["ok"], reply
-    return reply["result"]
-
-
 def test_chat_keeps_its_kv_cache_across_turns(smollm2_page, desktop):
     """Two turns through the chat form (with a system prompt: a short one keeps SwiftShader's
     prefill short): turn 2 prefills only its own new tokens (the KV cache of turn 1 and its reply
@@ -135,7 +124,7 @@ def test_chat_keeps_its_kv_cache_across_turns(smollm2_page, desktop):
     history, turns = [], []
     try:
         for text in ("Hi!", "Thanks."):
-            result = send(page, text, max_tokens=2)
+            result = chat_turn(page, text, max_tokens=2)
             assert page.text_content("#generate-button") == "Send"
             reply = native.send(text, max_tokens=2)
             stats = native.turns[-1]
