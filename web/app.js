@@ -16,6 +16,7 @@ const ui = {
   requestError: $("request-error"), requestNotice: $("request-notice"), runState: $("run-state"),
   chatLog: $("chat-log"), chatInput: $("chat-input"), chatReset: $("chat-reset"), chatSystem: $("chat-system"),
   chatStats: $("chat-stats"), constrained: $("constrained"), confidence: $("confidence"),
+  advanced: $("advanced-sampling"), logitBias: $("logit-bias"), logitBiasError: $("logit-bias-error"),
 };
 
 let worker = null;
@@ -70,6 +71,7 @@ function restart() {
 function request(type, payload = {}, transfer = []) {
   const id = nextId++;
   if (type === "load") needle.loadRequests += 1;
+  if (type === "generate") needle.generateRequests += 1;
   return new Promise((resolve) => {
     pending.set(id, { resolve });
     worker.postMessage({ id, type, ...payload }, transfer);
@@ -111,7 +113,8 @@ function setStatus(state, text) {
 // the request form), scrolled into view, so that on a phone it is not off-screen; errors of the
 // engine itself go to the banner at the top.
 function showError(message, where = null) {
-  const target = where === "model" ? ui.modelError : where === "request" ? ui.requestError : null;
+  const target = where === "model" ? ui.modelError : where === "request" ? ui.requestError :
+    where === "logit-bias" ? ui.logitBiasError : null;
   if (!target) {
     ui.bannerText.textContent = message;
     ui.banner.hidden = false;
@@ -126,7 +129,7 @@ function showError(message, where = null) {
 function clearError() {
   ui.banner.hidden = true;
   ui.bannerText.textContent = "";
-  for (const el of [ui.modelError, ui.requestError]) {
+  for (const el of [ui.modelError, ui.requestError, ui.logitBiasError]) {
     el.hidden = true;
     el.textContent = "";
   }
@@ -134,7 +137,7 @@ function clearError() {
 
 // The text of every visible error (tests read it).
 function errorText() {
-  return [ui.banner, ui.modelError, ui.requestError].filter((el) => !el.hidden)
+  return [ui.banner, ui.modelError, ui.requestError, ui.logitBiasError].filter((el) => !el.hidden)
     .map((el) => el.textContent.replace(/×$/, "").trim()).join(" | ");
 }
 
@@ -420,11 +423,34 @@ for (const tab of document.querySelectorAll('[role="tab"]')) {
   tab.addEventListener("click", () => selectMode(tab.dataset.mode));
 }
 
-function readRequest() {
+// The logit-bias field as the engine takes it: empty -> null (no bias), a JSON object -> that
+// object (the engine saturates its keys and values); anything else -> {error} in words.
+function readLogitBias() {
+  const text = ui.logitBias.value.trim();
+  if (!text) return { bias: null };
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (error) {
+    return { error: `Logit bias is not valid JSON (${error.message}). Write an object of token ids and ` +
+                    'biases, e.g. {"42": -100}, or leave the field empty.' };
+  }
+  if (value === null || typeof value !== "object" || Array.isArray(value)) {
+    const what = value === null ? "null" : Array.isArray(value) ? "an array" : `a ${typeof value}`;
+    return { error: `Logit bias must be a JSON object of token ids and biases, e.g. {"42": -100}; ` +
+                    `this is ${what}.` };
+  }
+  return { bias: value };
+}
+
+function readRequest(logitBias) {
   const value = (id) => $(id).value;
   const base = {
     mode, temperature: value("temperature"), top_k: value("top-k"), top_p: value("top-p"),
     max_tokens: value("max-tokens"), seed: value("seed"),
+    min_p: value("min-p"), repetition_penalty: value("repetition-penalty"),
+    presence_penalty: value("presence-penalty"), frequency_penalty: value("frequency-penalty"),
+    penalty_last_n: value("penalty-last-n"), logit_bias: logitBias,
   };
   if (mode === "chat") {
     return { ...base, chat: chatId, system: ui.chatSystem.value,
@@ -447,6 +473,15 @@ function formatStats(r) {
   if (r.tokens && !r.text.trim()) parts.push("the output is only whitespace");
   const s = r.settings;
   parts.push(`T=${s.temperature} k=${s.top_k} p=${s.top_p} seed=${s.seed} max=${s.max_tokens}`);
+  const extras = [];  // the advanced options that are on
+  if (s.min_p) extras.push(`min-p=${s.min_p}`);
+  if (s.repetition_penalty !== 1) extras.push(`repetition=${s.repetition_penalty}`);
+  if (s.presence_penalty) extras.push(`presence=${s.presence_penalty}`);
+  if (s.frequency_penalty) extras.push(`frequency=${s.frequency_penalty}`);
+  if (extras.length) extras.push(`window=${s.penalty_last_n === -1 ? "all" : s.penalty_last_n}`);
+  const biased = Object.keys(s.logit_bias || {}).length;
+  if (biased) extras.push(`${biased} biased token${biased === 1 ? "" : "s"}`);
+  if (extras.length) parts.push(extras.join(" "));
   return parts.join(" · ");
 }
 
@@ -490,11 +525,18 @@ async function generate() {
   }
   clearError();
   ui.requestNotice.hidden = true;
+  const logitBias = readLogitBias();
+  if (logitBias.error) {  // nothing runs: the error shows next to the field
+    ui.advanced.open = true;
+    showError(logitBias.error, "logit-bias");
+    needle.lastResult = { ok: false, error: { kind: "InputError", message: logitBias.error }, ran: false };
+    return needle.lastResult;
+  }
   phase = "generating";
   stopping = false;
   updateButtons();
   setStatus("busy", "Generating…");
-  const payload = readRequest();
+  const payload = readRequest(logitBias.bias);
   let userBubble = null;
   if (mode === "chat") {
     userBubble = chatBubble("user", ui.chatInput.value);
@@ -584,7 +626,7 @@ ui.stop.addEventListener("click", () => {
 // ---------------------------------------------------------------------------- start
 // For the browser tests and the console: the request channel and the last results.
 const needle = { request, generate, loadModel, errorText, bootSeconds: null, model: null, lastResult: null,
-                 lastLoad: null, streamedTokens: 0, progressLog: [], loadRequests: 0, generations: 0,
+                 lastLoad: null, streamedTokens: 0, progressLog: [], loadRequests: 0, generateRequests: 0, generations: 0,
                  chatModel: null, chatId, chatResets: 0, onProgress: null, state: () => ({ phase, stopping, queued: Boolean(queuedLoad) }) };
 window.needle = needle;
 

@@ -313,13 +313,27 @@ class StopCheck:
         return stop_requested()
 
 
+KNOBS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
+         "presence_penalty", "frequency_penalty", "penalty_last_n", "logit_bias")
+
+
 def _settings(model: Model, request: dict, context: int) -> tuple:
-    """The request's sampling knobs as given, and as the engine will use them (saturated)."""
-    knobs = {k: request.get(k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
-    sampling = Sampling.saturate(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"],
+    """The request's sampling knobs as given (the engine saturates them), and as the engine will
+    use them. The page's fields arrive as text; a missing one is None (the engine's default,
+    max_tokens's 0). logit_bias: a JSON object or nothing (the page checks its field; anything
+    else is refused here rather than read as "no bias")."""
+    knobs = {k: request.get(k) for k in KNOBS}
+    bias = knobs["logit_bias"]
+    if bias is not None and not isinstance(bias, dict):
+        raise InputError("logit_bias: must be a JSON object of token ids and biases, e.g. {\"42\": -100}")
+    sampling = Sampling.saturate(**{k: v for k, v in knobs.items() if k != "max_tokens"},
                                  vocab=model.geometry.head_rows)
     effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context)}
+                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context),
+                 "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
+                 "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+                 "penalty_last_n": sampling.penalty_last_n,
+                 "logit_bias": {str(token): bias for token, bias in sampling.logit_bias}}
     return knobs, effective
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +44,21 @@ def fill_form(page, *, mode: str = "prompt", **fields) -> None:
         page.fill(ids[name], str(value))
 
 
+ADVANCED_FIELDS = {"min_p": ("#min-p", "0"), "repetition_penalty": ("#repetition-penalty", "1"),
+                   "presence_penalty": ("#presence-penalty", "0"), "frequency_penalty": ("#frequency-penalty", "0"),
+                   "penalty_last_n": ("#penalty-last-n", "64"), "logit_bias": ("#logit-bias", "")}
+
+
+def set_advanced(page, **fields) -> None:
+    """Open "Advanced sampling" and fill its fields: those given, the others their defaults (the
+    engine's: all off), so ``set_advanced(page)`` puts the shared page back as a visitor finds it."""
+    page.evaluate("() => { document.querySelector('#advanced-sampling').open = true; }")
+    unknown = set(fields) - set(ADVANCED_FIELDS)
+    assert not unknown, unknown
+    for name, (selector, default) in ADVANCED_FIELDS.items():
+        page.fill(selector, str(fields.get(name, default)))
+
+
 def generate(page, **fields) -> dict:
     """Fill the form, click Generate and wait for the reply the page received."""
     fill_form(page, **fields)
@@ -50,6 +66,15 @@ def generate(page, **fields) -> dict:
     page.click("#generate-button")
     page.wait_for_function("() => window.needle.lastResult !== null")
     return page.evaluate("() => window.needle.lastResult")
+
+
+@functools.lru_cache(maxsize=1)
+def bundled_desktop():
+    """The bundled model on wgpu-py (lavapipe): what the browser's answers are compared with."""
+    import needle_wgpu
+    from needle_wgpu.gpu import open_device
+
+    return needle_wgpu.load(str(BUNDLED), device=open_device("native"))
 
 
 def load_file(page, files) -> dict:

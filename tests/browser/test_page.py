@@ -7,25 +7,16 @@ runs the tiny model at about one token per second on a 2-core machine.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
 
-from .pages import ARTIFACTS, BUNDLED, banner, ensure_bundled, fill_form, generate, launch, load_file, request
+from .pages import (ARTIFACTS, BUNDLED, banner, bundled_desktop, ensure_bundled, fill_form, generate, launch,
+                    load_file, request)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 SMALL_TOOLS = '[{"name":"off"}]'
-
-
-@functools.lru_cache(maxsize=1)
-def bundled_desktop():
-    """The bundled model on wgpu-py (lavapipe): what the browser's answers are compared with."""
-    import needle_wgpu
-    from needle_wgpu.gpu import open_device
-
-    return needle_wgpu.load(str(BUNDLED), device=open_device("native"))
 
 
 def test_boot_reports_device_and_model(app):
@@ -107,7 +98,9 @@ def test_absurd_numbers_saturate(app):
     assert reply["ok"], reply
     result = reply["result"]
     assert result["finishReason"] == "stopped" and 2 <= result["tokens"] < 20
-    assert result["settings"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0xFFFFFFFF, "max_tokens": 256}
+    assert result["settings"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0xFFFFFFFF, "max_tokens": 256,
+                                  "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                  "frequency_penalty": 0.0, "penalty_last_n": 64, "logit_bias": {}}
     assert app.get_attribute("#engine-status", "data-state") == "ready"
 
 

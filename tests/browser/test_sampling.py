@@ -1,0 +1,98 @@
+"""The form's "Advanced sampling" options reach the engine: the page's ids equal wgpu-py's for
+the same options, and a logit-bias field that is not a JSON object is refused before anything runs.
+
+On the bundled tiny Needle 3 (random weights): greedy decoding of "Hello there" repeats its ids
+(285 285 285 285 266 ...), so a strong repetition penalty changes the answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .pages import banner, bundled_desktop, ensure_bundled, generate, set_advanced
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+PROMPT = "Hello there"
+TOKENS = 6
+
+
+def page_ids(app, **advanced) -> dict:
+    set_advanced(app, **advanced)
+    reply = generate(app, prompt=PROMPT, max_tokens=TOKENS)
+    assert reply["ok"], reply
+    return reply["result"]
+
+
+def test_advanced_sampling_is_collapsed_and_off_by_default(app):
+    assert app.evaluate("() => document.querySelector('#advanced-sampling').open") is False
+    values = app.evaluate("""() => ['#min-p', '#repetition-penalty', '#presence-penalty', '#frequency-penalty',
+                                    '#penalty-last-n', '#logit-bias'].map((s) => document.querySelector(s).value)""")
+    assert values == ["0", "1", "0", "0", "64", ""]  # the engine's defaults (Model.stream's signature)
+
+
+def test_repetition_penalty_gives_the_desktop_ids(app):
+    ensure_bundled(app)
+    desktop = bundled_desktop()
+    try:
+        plain = page_ids(app)
+        penalized = page_ids(app, repetition_penalty="100", penalty_last_n="64")
+    finally:
+        set_advanced(app)
+    assert plain["ids"] == desktop.generate(PROMPT, max_tokens=TOKENS).ids
+    native = desktop.generate(PROMPT, max_tokens=TOKENS, repetition_penalty=100.0, penalty_last_n=64)
+    assert penalized["ids"] == native.ids and penalized["text"] == native.text
+    assert penalized["ids"] != plain["ids"]
+    assert len(set(plain["ids"])) < len(plain["ids"])  # the case the penalty is for: repeats
+    assert penalized["settings"]["repetition_penalty"] == 100.0 and plain["settings"]["repetition_penalty"] == 1.0
+    assert "repetition=100 window=64" in app.text_content("#stats")  # the last run's settings, shown
+
+
+def test_options_saturate_in_the_engine_and_reach_the_tool_form(app):
+    """Out-of-range values are the engine's to clamp (repetition 1e9 -> 100, presence -7 -> -2,
+    window "abc" -> 64); the tool form passes them on too (its ids are the desktop's)."""
+    ensure_bundled(app)
+    settings = {"temperature": 0, "top_k": 0, "top_p": 1, "seed": 0, "max_tokens": 8}
+    try:
+        set_advanced(app, repetition_penalty="1e9", presence_penalty="-7", penalty_last_n="abc", min_p="0.5",
+                     logit_bias='{"285": -1000, "x": 5, "99999": 3}')
+        reply = generate(app, mode="tools", tools='[{"name":"off"}]', query="Off", **settings)
+    finally:
+        set_advanced(app)
+    assert reply["ok"], reply
+    result = reply["result"]
+    s = result["settings"]
+    assert (s["repetition_penalty"], s["presence_penalty"], s["penalty_last_n"], s["min_p"]) == (100.0, -2.0, 64, 0.5)
+    assert s["logit_bias"] == {"285": -100.0}  # clamped; a key that is no id and one past the vocabulary dropped
+    native = bundled_desktop().generate(query="Off", tools='[{"name":"off"}]', constrained=True,
+                                        repetition_penalty=100.0, presence_penalty=-2.0, min_p=0.5,
+                                        logit_bias={285: -100.0}, **settings)
+    assert result["ids"] == native.ids
+    assert "biased token" in app.text_content("#stats")
+
+
+BAD_BIAS = (("[1, 2]", "must be a JSON object of token ids and biases"), ("{oops", "Logit bias is not valid JSON"),
+            ("-100", "this is a number"), ("null", "this is null"))
+
+
+def test_a_bad_logit_bias_shows_an_error_next_to_the_field_and_runs_nothing(app):
+    ensure_bundled(app)
+    before = app.evaluate("() => [window.needle.generateRequests, window.needle.generations]")
+    try:
+        for text, words in BAD_BIAS:
+            set_advanced(app, logit_bias=text)
+            app.evaluate("() => { document.querySelector('#advanced-sampling').open = false; }")
+            reply = generate(app, prompt=PROMPT, max_tokens=TOKENS)
+            assert not reply["ok"] and reply["ran"] is False, text
+            error = app.text_content("#logit-bias-error")
+            assert app.is_visible("#logit-bias-error") and words in error, (text, error)
+            assert app.evaluate("() => document.querySelector('#advanced-sampling').open")  # opened to show it
+            assert banner(app) == error and app.is_hidden("#request-error") and app.is_hidden("#banner")
+            assert app.evaluate("() => [window.needle.generateRequests, window.needle.generations]") == before
+            assert app.evaluate("() => window.needle.state().phase") == "idle"
+            assert not app.is_disabled("#generate-button")
+    finally:
+        set_advanced(app)
+    reply = generate(app, prompt=PROMPT, max_tokens=1)  # fixed: it runs, and the error is gone
+    assert reply["ok"], reply
+    assert app.is_hidden("#logit-bias-error") and banner(app) == ""
