@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from .pages import banner, bundled_desktop, chat_turn, ensure_bundled, fill_form, generate, load_file, set_advanced
+from .pages import (ARTIFACTS, banner, bundled_desktop, chat_turn, ensure_bundled, fill_form, generate, load_file, request,
+                    set_advanced)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -29,6 +30,16 @@ def test_advanced_sampling_is_collapsed_and_off_by_default(app):
     values = app.evaluate("""() => ['#min-p', '#repetition-penalty', '#presence-penalty', '#frequency-penalty',
                                     '#penalty-last-n', '#logit-bias'].map((s) => document.querySelector(s).value)""")
     assert values == ["0", "1", "0", "0", "64", ""]  # the engine's defaults (Model.stream's signature)
+    app.set_viewport_size({"width": 390, "height": 844})
+    try:
+        set_advanced(app)  # opened on a phone: every field visible, nothing wider than the screen
+        assert all(app.is_visible(s) for s in ("#min-p", "#penalty-last-n", "#logit-bias"))
+        assert app.evaluate("() => document.documentElement.scrollWidth") <= 390
+        ARTIFACTS.mkdir(exist_ok=True)
+        app.locator("#request-card").screenshot(path=str(ARTIFACTS / "browser-advanced-sampling-phone.png"))
+    finally:
+        app.evaluate("() => { document.querySelector('#advanced-sampling').open = false; }")
+        app.set_viewport_size({"width": 1280, "height": 900})
 
 
 def test_repetition_penalty_gives_the_desktop_ids(app):
@@ -93,6 +104,10 @@ def test_a_bad_logit_bias_shows_an_error_next_to_the_field_and_runs_nothing(app)
             assert not app.is_disabled("#generate-button")
     finally:
         set_advanced(app)
+    # The worker refuses one too (a request not from the form) rather than read it as "no bias".
+    raw = request(app, "generate", {"request": {"mode": "prompt", "prompt": PROMPT, "max_tokens": 1,
+                                                "logit_bias": [[285, -100]]}})
+    assert not raw["ok"] and raw["error"]["kind"] == "InputError" and "logit_bias" in raw["error"]["message"]
     reply = generate(app, prompt=PROMPT, max_tokens=1)  # fixed: it runs, and the error is gone
     assert reply["ok"], reply
     assert app.is_hidden("#logit-bias-error") and banner(app) == ""
