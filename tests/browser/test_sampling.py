@@ -2,7 +2,8 @@
 the same options, and a logit-bias field that is not a JSON object is refused before anything runs.
 
 On the bundled tiny Needle 3 (random weights): greedy decoding of "Hello there" repeats its ids
-(285 285 285 285 266 ...), so a strong repetition penalty changes the answer.
+(285 285 285 285 266 ...), so a strong repetition penalty changes the answer. The chat tests load
+a tiny random GGUF with SmolLM2's tokenizer and template (also: Stop during a chat prefill).
 """
 
 from __future__ import annotations
