@@ -294,13 +294,13 @@ def run_constrained_benchmark(args) -> dict:
     begins in the same session, so both runs step over the same positions."""
     from .cli import Progress, default_model
     from . import load
-    from .grammar import Automaton, Constraint, Vocabulary, compile_schema
+    from .grammar import compile_schema
     from .sampling import Sampling, clamp_count
 
     path = args.model or str(default_model())
     numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)
     model = load(path, progress=Progress(), numerics=numerics, depth=depth)
-    g, tokenizer = model.geometry, model.tokenizer
+    g = model.geometry
     grammar_of = getattr(model.chat_format, "answer_grammar", None)
     if grammar_of is not None:
         grammar, prompt = grammar_of(BENCH_TOOLS), model.encode_request(query=BENCH_QUERY, tools=BENCH_TOOLS)
@@ -308,11 +308,9 @@ def run_constrained_benchmark(args) -> dict:
         grammar, prompt = compile_schema(BENCH_SCHEMA), model.encode_request(query=BENCH_PROMPT)
     steps = clamp_count(args.decode_tokens, 1, g.max_seq_len - len(prompt) - 2, 16)
     greedy = Sampling.saturate(0.0)
-    started = time.perf_counter()
-    vocabulary = Vocabulary.of_tokenizer(tokenizer, rows=g.head_rows,
-                                         eos_ids=model.chat_format.stop_ids(tokenizer))
+    started = time.perf_counter()  # the vocabulary's tries (once per model) and the automaton
+    constraint = model.constraint("bench:" + ("tools" if grammar_of is not None else "schema"), lambda: grammar)
     trie_s = time.perf_counter() - started
-    constraint = Constraint(Automaton(grammar), vocabulary)
 
     def session():
         return model.gpu.session(context=len(prompt) + steps + 2)

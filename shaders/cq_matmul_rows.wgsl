@@ -37,6 +37,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read> xh: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
 
+//#include include/tile_offsets.wgsl
+
 const QUADS: u32 = 8u / CODE_BITS;  // groups of 4 codes per u32 word
 
 var<private> level_quads: array<vec4<f32>, 4>;
@@ -92,15 +94,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   if (BLOCKED) {
     x_base += (local_row / params.x_block_rows) * params.x_block_stride;
   }
-  // Positions past the tile read position 0 of the tile (always valid) and are not stored.
-  let stride = params.x_stride >> 2u;
-  let s1 = select(0u, stride, tile > 1u);
-  let s2 = select(0u, 2u * stride, tile > 2u);
-  let s3 = select(0u, 3u * stride, tile > 3u);
-  let s4 = select(0u, 4u * stride, tile > 4u);
-  let s5 = select(0u, 5u * stride, tile > 5u);
-  let s6 = select(0u, 6u * stride, tile > 6u);
-  let s7 = select(0u, 7u * stride, tile > 7u);
+  let at = tile_offsets(params.x_stride >> 2u, tile);  // position j at x[xi + at.pj]
   let words_per_group = GROUP_CHUNKS * CODE_BITS;
   var acc = vec4<f32>(0.0);
   var acc_hi = vec4<f32>(0.0);  // positions 4..7 when TT = 8
@@ -117,11 +111,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         if (TT == 1u) {
           sums.x += dot(level, xh[xi]);
         } else {
-          sums += vec4<f32>(dot(level, xh[xi]), dot(level, xh[xi + s1]), dot(level, xh[xi + s2]),
-                            dot(level, xh[xi + s3]));
+          sums += vec4<f32>(dot(level, xh[xi]), dot(level, xh[xi + at.p1]), dot(level, xh[xi + at.p2]),
+                            dot(level, xh[xi + at.p3]));
           if (TT == 8u) {
-            sums_hi += vec4<f32>(dot(level, xh[xi + s4]), dot(level, xh[xi + s5]), dot(level, xh[xi + s6]),
-                                 dot(level, xh[xi + s7]));
+            sums_hi += vec4<f32>(dot(level, xh[xi + at.p4]), dot(level, xh[xi + at.p5]), dot(level, xh[xi + at.p6]),
+                                 dot(level, xh[xi + at.p7]));
           }
         }
       }

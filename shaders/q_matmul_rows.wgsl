@@ -19,6 +19,7 @@
 
 //#include include/q_matmul_io.wgsl
 //#include include/gguf_blocks.wgsl
+//#include include/tile_offsets.wgsl
 
 const ROWS: u32 = 4u;  // rows per invocation
 
@@ -50,15 +51,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   let row3 = params.row0 + min(local_row + 3u, last);
   let t0 = wg.y * TT;
   let tile = min(TT, params.positions - t0);
-  // Positions past the tile read position 0 of the tile (always valid) and are not stored.
-  let stride = params.x_stride >> 2u;
-  let s1 = select(0u, stride, tile > 1u);
-  let s2 = select(0u, 2u * stride, tile > 2u);
-  let s3 = select(0u, 3u * stride, tile > 3u);
-  let s4 = select(0u, 4u * stride, tile > 4u);
-  let s5 = select(0u, 5u * stride, tile > 5u);
-  let s6 = select(0u, 6u * stride, tile > 6u);
-  let s7 = select(0u, 7u * stride, tile > 7u);
+  let at = tile_offsets(params.x_stride >> 2u, tile);  // position j at x[xi + at.pj]
   let x_base = (params.x_offset + t0 * params.x_stride) >> 2u;
 
   // a_r: row r, positions 0..3 (TT = 1: four partial sums of position 0); b_r: positions 4..7.
@@ -95,18 +88,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
           a2 += w2 * x0;
           a3 += w3 * x0;
         } else {
-          let x1 = x[xi + s1];
-          let x2 = x[xi + s2];
-          let x3 = x[xi + s3];
+          let x1 = x[xi + at.p1];
+          let x2 = x[xi + at.p2];
+          let x3 = x[xi + at.p3];
           a0 += dots4(w0, x0, x1, x2, x3);
           a1 += dots4(w1, x0, x1, x2, x3);
           a2 += dots4(w2, x0, x1, x2, x3);
           a3 += dots4(w3, x0, x1, x2, x3);
           if (TT == 8u) {
-            let x4 = x[xi + s4];
-            let x5 = x[xi + s5];
-            let x6 = x[xi + s6];
-            let x7 = x[xi + s7];
+            let x4 = x[xi + at.p4];
+            let x5 = x[xi + at.p5];
+            let x6 = x[xi + at.p6];
+            let x7 = x[xi + at.p7];
             b0 += dots4(w0, x4, x5, x6, x7);
             b1 += dots4(w1, x4, x5, x6, x7);
             b2 += dots4(w2, x4, x5, x6, x7);
