@@ -8,7 +8,7 @@ almost the identity and each block adds a bounded delta. The bit scheme is the s
 (§2): embedding, mHC phi and probe heads CQ-4, every other CQ tensor CQ-2, group 128.
 
 ``synthesize("tiny", seed)`` has the geometry of the independent fixture
-(``shared/fixtures/needle3/README.md``), ``"small"`` is sized for GPU tests, and
+(``tests/fixtures/needle3/README.md``), ``"small"`` is sized for GPU tests, and
 ``"shipped"`` is exactly §2 (581 records with the confidence head and the tokenizer).
 A seed fixes the file byte for byte on a given NumPy build (NumPy's random streams and BLAS
 do not promise identical low-order bits across builds).

@@ -1,5 +1,5 @@
 """The NumPy reference of Needle 3 (needle_wgpu/reference) against the spec and the independent
-needle-rs fixtures (shared/fixtures/needle3/README.md)."""
+needle-rs fixtures (tests/fixtures/needle3/README.md)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +11,7 @@ from needle_wgpu.errors import ContextFullError, InputError, NeedleError, Unsupp
 from needle_wgpu.reference import KVCache, KvPrecision, ReferenceModel, saturate_ids
 from needle_wgpu.reference import attention, cq, engram, hada_mlp, heads, mhc, ops
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "needle3"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "needle3"
 F32 = np.float32
 
 IDS = {
