@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from .generation import Decoded, Steps, TokenEvent, decode
 from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
 from .gpu.device import Device
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
@@ -25,14 +26,6 @@ from .inputs import (as_text, callback_or_none, check_keywords, checked_methods,
 from .logprobs import saturate_top_logprobs
 from .prompt import Completion
 from .sampling import Sampling, clamp_budget, saturate_ids
-
-
-@dataclass
-class TokenEvent:
-    """One streamed token: its id and the text it completed (may be empty mid-character)."""
-
-    id: int
-    text: str
 
 
 @dataclass
@@ -187,84 +180,29 @@ class Model:
         pooled = scored and spec is None  # speculative sessions rewind: they score afterwards
         session = self.gpu.session(context=context, kv=kv, confidence=True) if pooled else \
             self.gpu.session(context=context, kv=kv)
-        speculator = queue = None
+        steps = Steps(session)
         try:
             # prompt + completion <= context. A prompt that fills the context (or is longer),
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
             budget = clamp_budget(max_tokens, session.context - len(request))
-            if budget == 0 or matcher is not None and not matcher.fits(budget):
-                out.finish_reason = "length"  # constrained: no answer of the grammar fits the budget
-                return
-            started = time.perf_counter()
-            masking = 0.0
-            # should_stop and mask only when given: a family's session need not take them otherwise
-            extra = {} if should_stop is None else {"should_stop": should_stop}
-            if matcher is not None:
-                extra["mask"] = matcher.mask(budget)
-            if top is not None:
-                extra["top_logprobs"] = top
-                out.logprobs = []
-            if spec is not None:
+            if spec is not None and budget > 0:
                 from .speculative import SpeculativeDecoder
 
                 draft = self.gpu.at_depth(spec[0]).session(context=session.context, kv=kv)
-                speculator, queue = SpeculativeDecoder(session, draft, spec[1], sampling), []
-                next_id = speculator.start(request, should_stop)
-            else:
-                next_id = session.prefill(request, sampling, **extra)
-            if next_id is None:  # should_stop said so between chunks
-                out.finish_reason = "stopped"
+                steps.speculator = SpeculativeDecoder(session, draft, spec[1], sampling)
+            decoder = self.tokenizer.stream_decoder(at_text_start=False, stop_strings=stop_texts) \
+                if self.tokenizer else None
+            decoded = Decoded(ids=out.ids)  # shared: a device lost mid-way leaves the ids so far
+            yield from decode(steps, request, decoded, sampling=sampling, budget=budget, stop_ids=stops,
+                              decoder=decoder, matcher=matcher, should_stop=should_stop, top_logprobs=top)
+            out.ids, out.text, out.finish_reason = decoded.ids, decoded.text, decoded.finish_reason
+            out.logprobs, out.timings = decoded.logprobs, decoded.timings
+            if not decoded.sampled:  # nothing ran (no room), or stopped during the prefill
                 return
-            if top is not None:
-                next_id, logprob = next_id
-            first = time.perf_counter()
-            out.time_to_first_token_s = first - started
-            out.prefill_tokens_per_s = len(request) / max(first - started, 1e-9)
-            decoder = self.tokenizer.stream_decoder(at_text_start=False) if self.tokenizer else None
-            text = ""
-            produced = 0
-            out.finish_reason = "length"
-            while True:
-                if matcher is not None:
-                    matcher.accept(next_id)
-                if next_id in stops:
-                    out.finish_reason = "eos"
-                    break
-                out.ids.append(next_id)
-                if top is not None:
-                    out.logprobs.append(logprob.as_dict())
-                piece = decoder.push(next_id) if decoder else ""
-                text += piece
-                produced += 1
-                yield TokenEvent(next_id, piece)
-                if any(s in text for s in stop_texts):
-                    out.finish_reason = "stop"
-                    text = text[: min(text.find(s) for s in stop_texts if s in text)]
-                    break
-                if produced >= budget or session.position >= session.context:
-                    break
-                if should_stop is not None and should_stop(produced, budget):
-                    out.finish_reason = "stopped"
-                    break
-                if speculator is not None:
-                    queue = queue or speculator.round()
-                    next_id = queue.pop(0)
-                    continue
-                step = {} if top is None else {"top_logprobs": top}
-                if matcher is not None:
-                    started_mask = time.perf_counter()
-                    step["mask"] = matcher.mask(budget - produced)  # the answer ends (EOS) within the budget
-                    masking += time.perf_counter() - started_mask
-                next_id = session.step(sampling, **step)
-                if top is not None:
-                    next_id, logprob = next_id
-            if matcher is not None:
-                out.timings["mask_s"] = masking
-            if decoder:
-                text += decoder.finish() if out.finish_reason != "stop" else ""
-            elapsed = time.perf_counter() - first
-            out.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
-            out.text = text
+            out.time_to_first_token_s = decoded.prefill_s
+            out.prefill_tokens_per_s = len(request) / max(decoded.prefill_s, 1e-9)
+            out.decode_tokens_per_s = decoded.decode_tokens_per_s
+            speculator = steps.speculator
             if speculator is not None:
                 out.timings["speculative"] = {"depth": spec[0], "k": speculator.k, "rounds": speculator.rounds,
                                               "drafted": speculator.drafted, "accepted": speculator.accepted,
@@ -280,8 +218,8 @@ class Model:
                 out.confidence = _probability(session.confidence_logit_so_far())
         finally:
             session.close()
-            if speculator is not None:
-                speculator.draft.close()
+            if steps.speculator is not None:
+                steps.speculator.draft.close()
 
     def _speculative(self, speculative, matcher):
         """``stream``'s speculative option checked: None, or (draft depth, k)."""

@@ -11,12 +11,12 @@ are dropped (the system message stays) with a notice in the stats, never an erro
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from .errors import ContextFullError, InputError, UnsupportedModelError
 from .chat.template import check_messages, check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
+from .generation import Decoded, Steps, decode
 from .grammar import Constraint
 from .inputs import as_text, callback_or_none, checked_methods, flag, instance_or_none, optional_text, stop_strings
 from .logprobs import saturate_top_logprobs
@@ -35,7 +35,7 @@ class TurnStats:
     rewound: bool = False  # the cache held ids the new rendering does not start with
     new_session: bool = False
     completion_tokens: int = 0
-    finish_reason: str = "empty"  # "stop" (EOS or a stop string), "length", "tool_calls", "stopped"
+    finish_reason: str = "empty"  # generation.FINISH_REASONS: "eos", "stop", "length", "tool_calls", "stopped"
     prefill_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     context_used: int = 0  # positions the cache holds after the turn
@@ -45,6 +45,7 @@ class TurnStats:
     # With logprobs=True: per produced token {"token", "logprob", "top_logprobs": [...]}
     # (``logprobs.TokenLogprob.as_dict``); None otherwise.
     logprobs: list | None = None
+    timings: dict = field(default_factory=dict)  # "mask_s" under a grammar
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -121,9 +122,13 @@ class Conversation:
 
     # ------------------------------------------------------------------ a turn
     def send(self, content=None, *, role="user", **options) -> dict:
-        """One turn; returns the assistant message (``content``, ``tool_calls`` when any)."""
+        """One turn; returns the assistant message (``content``, ``tool_calls`` when any; an
+        empty one when Stop took the message back before the reply began)."""
         for _ in self.stream(content, role=role, **options):
             pass
+        stats = self.turns[-1]
+        if stats.finish_reason == "stopped" and not stats.completion_tokens:
+            return {"role": "assistant", "content": ""}
         return self.messages[-1]
 
     def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
@@ -192,83 +197,42 @@ class Conversation:
         session = self._prefix(ids, stats)
 
         budget = clamp_budget(max_tokens, session.context - len(ids))
-        if matcher is not None and not matcher.fits(budget):
-            stats.finish_reason = "length"  # no reply of the grammar fits the budget: nothing runs
-            stats.notices.append(f"no reply of the grammar fits in {budget} tokens")
-            return
-        started = time.perf_counter()
-        # mask and should_stop only when given: a family's session need not take them otherwise
-        extra = {} if should_stop is None else {"should_stop": should_stop}
-        if matcher is not None:
-            extra["mask"] = matcher.mask(budget)
-        if top is not None:  # the sampled row read back with each id
-            extra["top_logprobs"], stats.logprobs = top, []
-        next_id = session.prefill(ids[stats.reused:], sampling, **extra)
-        first = time.perf_counter()
-        stats.prefill_s = first - started
-        if next_id is None:  # should_stop said so between chunks: the chunks run stay cached
-            self.cached = list(ids[: session.position])
-            stats.finish_reason, stats.context_used = "stopped", session.position
-            return
-        self.cached = list(ids)
-        if top is not None:
-            next_id, logprob = next_id
-        decoder = tokenizer.stream_decoder(at_text_start=False)
+        decoder = tokenizer.stream_decoder(at_text_start=False, stop_strings=stop_texts)
         holder = ToolCallHolder() if self.tools else None
-        produced, finish = 0, "length"
-        while budget > 0:
-            if matcher is not None:
-                matcher.accept(next_id)
-            if next_id in stops:
-                finish = "stop"
-                break
-            piece = decoder.push(next_id)
-            reply["content"] += piece
-            if self.keeps_reply_ids:
-                reply["token_ids"].append(next_id)
-            produced += 1
-            stats.completion_tokens = produced
-            if top is not None:
-                stats.logprobs.append(logprob.as_dict())
-            shown = holder.push(piece) if holder else piece
-            if shown:
-                yield shown
-            text = reply["content"]
-            if any(s in text for s in stop_texts):
-                reply["content"], finish = text[: min(text.find(s) for s in stop_texts if s in text)], "stop"
-                break
-            if produced >= budget or session.position >= session.context:
-                break
-            if should_stop is not None and should_stop(produced, budget):
-                finish = "stopped"
-                break
-            self.cached.append(next_id)  # step() feeds it: its keys join the cache
-            step = {} if matcher is None else {"mask": matcher.mask(budget - produced)}
-            if top is not None:
-                step["top_logprobs"] = top
-            next_id = session.step(sampling, **step)
-            if top is not None:
-                next_id, logprob = next_id
-        if finish != "stop":
-            tail = decoder.finish()
-            reply["content"] += tail
-            shown = holder.push(tail) + holder.finish() if holder else tail
-            if shown:
-                yield shown
-        elif holder:
-            rest = holder.finish()
-            if rest:
-                yield rest
-        elapsed = time.perf_counter() - first
-        stats.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
-        stats.context_used = session.position
+        decoded, failed = Decoded(), False
+        try:
+            for event in decode(Steps(session), ids[stats.reused:], decoded, sampling=sampling, budget=budget,
+                                stop_ids=stops, decoder=decoder, matcher=matcher, should_stop=should_stop,
+                                top_logprobs=top):
+                reply["content"] += event.text
+                if event.id is not None and self.keeps_reply_ids:
+                    reply["token_ids"].append(event.id)
+                stats.completion_tokens = len(decoded.ids)
+                shown = holder.push(event.text) if holder else event.text
+                if shown:
+                    yield shown
+            if holder:
+                rest = holder.finish()
+                if rest:
+                    yield rest
+        except BaseException as exc:
+            failed = not isinstance(exc, GeneratorExit)  # a device error: stream() drops the session
+            raise
+        finally:
+            if not failed:  # the cache holds the prompt's ids, then each reply id a step fed
+                self.cached = (ids + decoded.ids)[: session.position]
+            stats.prefill_s, stats.logprobs = decoded.prefill_s, decoded.logprobs
+            stats.decode_tokens_per_s, stats.timings = decoded.decode_tokens_per_s, decoded.timings
+            stats.context_used, stats.notices = session.position, stats.notices + decoded.notices
+            stats.finish_reason = decoded.finish_reason
+            if not decoded.sampled and decoded.finish_reason == "length":
+                stats.prefilled = 0  # no room for a reply: nothing ran
         if self.tools:
             parsed = parse_reply(reply["content"], bare_json=self.bare_json_calls)
             if parsed.tool_calls:
                 reply["content"], reply["tool_calls"] = parsed.content, parsed.tool_calls
-                finish = "tool_calls"
+                stats.finish_reason = "tool_calls"
             stats.notices += parsed.problems
-        stats.finish_reason = finish
 
     def _render(self, tokenizer) -> list:
         return self.model.chat_format.render_ids(tokenizer, self.messages, self.tools)

@@ -369,11 +369,12 @@ def generate(request_json: str) -> dict:
     try:
         for event in stream:
             should_stop.decoding = True
-            last = time.perf_counter()
-            first = first or last
             pieces.append(event.text)
-            ids.append(event.id)
-            emit(type="token", id=event.id, text=event.text, count=len(pieces))
+            if event.id is not None:  # None: the text held back at the end (generation.TokenEvent)
+                last = time.perf_counter()
+                first = first or last
+                ids.append(event.id)
+            emit(type="token", id=event.id, text=event.text, count=len(ids))
     except GrammarError as exc:  # raised before the first token: the tools' schemas
         raise GrammarError(f"{exc} (constrained decoding takes a JSON-schema subset: untick "
                            "'Constrain the answer' to run these tools unconstrained)") from None
@@ -382,10 +383,10 @@ def generate(request_json: str) -> dict:
     stopped = result.finish_reason == "stopped"
     text = result.text if not stopped and result.text else "".join(pieces)
     decode_seconds = (last - first) if first is not None else 0.0
-    decode_rate = (len(pieces) - 1) / decode_seconds if len(pieces) > 1 and decode_seconds > 0 else None
+    decode_rate = (len(ids) - 1) / decode_seconds if len(ids) > 1 and decode_seconds > 0 else None
     out = {
-        "text": text, "tokens": len(pieces), "ids": ids, "promptTokens": result.prompt_tokens,
-        "context": context, "contextUsed": min(context, result.prompt_tokens + len(pieces)),
+        "text": text, "tokens": len(ids), "ids": ids, "promptTokens": result.prompt_tokens,
+        "context": context, "contextUsed": min(context, result.prompt_tokens + len(ids)),
         "finishReason": result.finish_reason,
         "timeToFirstTokenSeconds": finite(first - started) if first is not None else None,
         "decodeTokensPerSecond": finite(decode_rate) if decode_rate is not None else None,

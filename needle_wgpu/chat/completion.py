@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import InputError, UnsupportedModelError
+from ..generation import openai_finish_reason
 from ..inputs import flag, stop_strings
 from .template import check_messages, check_tools
 
@@ -172,7 +173,7 @@ def chat_completion(model, messages, tools=None, *, tool_choice="auto", response
     header = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": model_name(model)}
     turn = conversation.stream(None, constraint=constraint, **options)
     if flag(stream, "stream"):
-        return _chunks(conversation, turn, header, options.get("stop", ()), notices)
+        return _chunks(conversation, turn, header, notices)
     try:
         for _ in turn:
             pass
@@ -186,7 +187,7 @@ def chat_completion(model, messages, tools=None, *, tool_choice="auto", response
             "usage": _usage(stats), "stats": stats.as_dict()}
 
 
-def _chunks(conversation, turn, header, stop, notices):
+def _chunks(conversation, turn, header, notices):
     """The streamed form: role, content deltas, tool calls, finish reason, then usage."""
     model = conversation.model
 
@@ -197,7 +198,7 @@ def _chunks(conversation, turn, header, stop, notices):
 
     try:
         yield chunk({"role": "assistant", "content": ""})
-        shown = ContentStream(stop_strings(stop))
+        shown = ContentStream()
         for piece in turn:
             text = shown.push(piece)
             if text:
@@ -217,30 +218,16 @@ def _chunks(conversation, turn, header, stop, notices):
 
 
 class ContentStream:
-    """Content deltas that add up to the final ``message.content``: held back are a tail that
-    could begin a stop string, trailing whitespace (a reply with tool calls is stripped) and
-    leading whitespace until some text follows; everything after a stop string is dropped."""
+    """Content deltas that add up to the final ``message.content``: the turn's pieces (stop
+    strings are already held back and cut by the generation loop) with trailing whitespace held
+    back (a reply with tool calls is stripped) and leading whitespace until some text follows."""
 
-    def __init__(self, stops):
-        self.stops = list(stops)
-        self.pending, self.emitted, self.stopped = "", "", False
+    def __init__(self):
+        self.pending, self.emitted = "", ""
 
     def push(self, piece: str) -> str:
-        if self.stopped:
-            return ""
         self.pending += piece
-        found = [self.pending.find(s) for s in self.stops if s in self.pending]
-        if found:
-            self.stopped = True
-            out = self.pending[: min(found)]
-        else:
-            hold = len(self.pending) - len(self.pending.rstrip())
-            for stop in self.stops:
-                for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
-                    if stop.startswith(self.pending[-n:]):
-                        hold = max(hold, n)
-                        break
-            out = self.pending[: len(self.pending) - hold]
+        out = self.pending.rstrip()
         if not (self.emitted + out).strip():
             out = ""  # only whitespace so far: held
         self.emitted += out
@@ -266,7 +253,7 @@ def _message(reply: dict) -> dict:
 
 
 def _finish(stats) -> str:
-    return stats.finish_reason if stats.finish_reason in ("stop", "length", "tool_calls") else "stop"
+    return openai_finish_reason(stats.finish_reason)
 
 
 def _usage(stats) -> dict:

@@ -13,6 +13,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ..formats.stream_decoder import partial_tail
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
@@ -121,11 +123,7 @@ class ToolCallHolder:
             self.inside = True
             shown, self.pending = self.pending[:at], ""
             return shown
-        keep = 0  # the longest tail that could begin the opening tag
-        for n in range(min(len(OPEN) - 1, len(self.pending)), 0, -1):
-            if OPEN.startswith(self.pending[-n:]):
-                keep = n
-                break
+        keep = partial_tail(self.pending, (OPEN,))  # the tail that could begin the opening tag
         shown = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(shown):]
         return shown

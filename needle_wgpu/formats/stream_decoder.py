@@ -16,16 +16,19 @@ class StreamDecoder:
     tail that may be the beginning of one of ``stop_strings``. When a stop string completes,
     the text before it is returned, ``stopped`` becomes True and every later push returns "".
     Without stop strings the chunks join to the decoded text of all the ids pushed.
-    ``strip_leading_space`` drops one space at the very start (SPM's space prefix).
+    ``strip_leading_space`` drops one space at the very start (SPM's space prefix);
+    ``text_map`` rewrites decoded text before anything else sees it (a SentencePiece
+    vocabulary's '▁' becomes ' ', after UTF-8 decoding as its ``decode`` does).
     """
 
     def __init__(self, token_bytes: Callable[[int], bytes], *, strip_leading_space=False,
-                 stop_strings=()):
+                 stop_strings=(), text_map: Callable[[str], str] | None = None):
         if isinstance(stop_strings, str):
             stop_strings = (stop_strings,)
         self._token_bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._strip_space = bool(strip_leading_space)
+        self._text_map = text_map
         self._stops = tuple(s for s in stop_strings if isinstance(s, str) and s)
         self._pending = ""
         self.stopped = False
@@ -42,6 +45,8 @@ class StreamDecoder:
         return self._emit(self._utf8.decode(b"", final=True), final=True)
 
     def _emit(self, chunk: str, final: bool = False) -> str:
+        if self._text_map is not None:
+            chunk = self._text_map(chunk)
         if self._strip_space and chunk:
             self._strip_space = False
             if chunk[0] == " ":
@@ -54,8 +59,13 @@ class StreamDecoder:
             self.stopped = True
             self._pending = ""
             return text[: min(hits)]
-        # the longest tail that is a proper prefix of some stop string waits for more text
-        keep = 0 if final else max((k for s in self._stops for k in range(1, len(s))
-                                    if text.endswith(s[:k])), default=0)
+        keep = 0 if final else partial_tail(text, self._stops)
         self._pending = text[len(text) - keep:] if keep else ""
         return text[: len(text) - keep]
+
+
+def partial_tail(text: str, marks) -> int:
+    """The length of the longest tail of ``text`` that is a proper prefix of one of ``marks``:
+    what a stream holds back until more text says whether the mark completes."""
+    return max((k for mark in marks for k in range(min(len(mark) - 1, len(text)), 0, -1)
+                if text.endswith(mark[:k])), default=0)

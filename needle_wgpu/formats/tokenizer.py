@@ -16,7 +16,6 @@ happens to spell ``<s>`` or ``<0x41>`` is encoded as ordinary characters and rou
 
 from __future__ import annotations
 
-import codecs
 import math
 import operator
 import re
@@ -24,7 +23,8 @@ import struct
 from heapq import heappop, heappush
 
 from ..errors import ContainerError, InputError
-from ..inputs import byte_view, checked, checked_methods, describe, iterable, whole_number
+from ..inputs import byte_view, checked, describe, iterable, whole_number
+from .stream_decoder import StreamDecoder
 
 # n_pieces, pad_id, eos_id, bos_id, unk_id, add_dummy_prefix, byte_fallback, padding
 HEADER = struct.Struct("<IIIIIBBH")
@@ -377,39 +377,17 @@ class Tokenizer:
             text = text[1:]
         return text
 
-    def stream_decoder(self, at_text_start: bool = True) -> StreamDecoder:
-        return StreamDecoder(self, at_text_start=at_text_start)
+    def stream_decoder(self, at_text_start: bool = True, *, stop_strings=()) -> StreamDecoder:
+        """Decode one id at a time (``stream_decoder.StreamDecoder``): the chunks join to
+        ``decode`` of the ids pushed, cut before the first of ``stop_strings``.
+        ``at_text_start=False`` keeps the first piece's leading space (a completion that
+        continues a prompt)."""
+        return StreamDecoder(self.piece_bytes, strip_leading_space=at_text_start and self.add_dummy_prefix,
+                             stop_strings=stop_strings, text_map=_spaces)
 
 
-@checked_methods
-class StreamDecoder:
-    """Decode one id at a time, returning only newly completed text.
-
-    Incomplete UTF-8 sequences from byte pieces are held back until they complete (or until
-    :meth:`finish`), so the concatenation of every returned chunk equals ``tokenizer.decode``
-    of all the ids pushed. ``at_text_start=False`` keeps the leading space of the first piece:
-    use it when the ids continue a text (a completion after its prompt) rather than begin one.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, at_text_start: bool = True):
-        self._tokenizer = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._strip_space = at_text_start and tokenizer.add_dummy_prefix
-
-    def push(self, token_id) -> str:
-        return self._emit(self._utf8.decode(self._tokenizer.piece_bytes(token_id)))
-
-    def finish(self) -> str:
-        """Flush held-back bytes (an incomplete sequence at the end becomes U+FFFD)."""
-        return self._emit(self._utf8.decode(b"", final=True))
-
-    def _emit(self, chunk: str) -> str:
-        chunk = chunk.replace(SPACE, " ")
-        if self._strip_space and chunk:
-            self._strip_space = False
-            if chunk[0] == " ":
-                chunk = chunk[1:]
-        return chunk
+def _spaces(text: str) -> str:
+    return text.replace(SPACE, " ")
 
 
 # ----------------------------------------------------------------------------- synthetic vocab

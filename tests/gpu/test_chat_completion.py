@@ -134,7 +134,7 @@ def test_cli_generate_and_chat_with_a_json_schema(model, tmp_path, capsys, monke
                      "--quiet"]) == 0
     turns = json.loads(capsys.readouterr().out)["turns"]
     for turn in turns:
-        assert turn["finish_reason"] == "stop"
+        assert turn["finish_reason"] == "eos"
         jsonschema.validate(json.loads(turn["message"]["content"]), SCHEMA)
 
 

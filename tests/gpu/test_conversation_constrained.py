@@ -36,7 +36,7 @@ def test_constrained_turns_validate_and_keep_the_cache(model):
             reply = conversation.send(text, max_tokens=60, temperature=temperature, seed=turn,
                                       constraint=constraint)
             jsonschema.validate(json.loads(reply["content"]), SCHEMA)
-            assert conversation.turns[-1].finish_reason == "stop"  # EOS, where the grammar accepts
+            assert conversation.turns[-1].finish_reason == "eos"  # EOS, where the grammar accepts
         one, two = conversation.turns
         assert two.reused == one.context_used and not two.rewound
     finally:
