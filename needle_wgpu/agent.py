@@ -72,7 +72,7 @@ class Agent:
     @checked  # an unknown keyword is an InputError, as for every public method
     def __init__(self, model, tools=(), *, system=None, max_steps=MAX_STEPS, constrained=None, stateless=False,
                  context=None, kv=None):
-        from .api import Model, _servable_head
+        from .api import Model
 
         if not isinstance(model, Model):
             raise InputError(f"Agent takes a needle_wgpu Model (needle_wgpu.load), got {type(model).__name__}")
@@ -82,7 +82,7 @@ class Agent:
         self.max_steps = clamp_count(max_steps, 0, MAX_STEPS, MAX_STEPS)
         self.stateless = flag(stateless, "stateless")
         self.constraint = model._answer_constraint(self.schemas, constrained, True)
-        scored = _servable_head(getattr(model.gpu, "confidence", None))
+        scored = model.capabilities.confidence
         self.conversation = model.conversation(system, tools=self.schemas, context=context, kv=kv,
                                                confidence=scored)
 

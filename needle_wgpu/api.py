@@ -14,16 +14,15 @@ engine usable for the next one.
 from __future__ import annotations
 
 import inspect
-import math
-import time
 from dataclasses import dataclass, field
 
 from .generation import Decoded, Steps, TokenEvent, decode
+from .formats.cact import CONFIDENCE_HEAD
 from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
 from .gpu.device import Device
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
                      optional_text, stop_strings)
-from .logprobs import saturate_top_logprobs
+from .logprobs import probability_of_logit, saturate_top_logprobs
 from .prompt import Completion
 from .sampling import Sampling, clamp_budget, saturate_ids
 
@@ -67,6 +66,9 @@ class Model:
         self.geometry = gpu_model.geometry
         self.tokenizer = gpu_model.tokenizer
         self.chat_format = gpu_model.chat  # the family's prompt/stop/parse rules
+        self.capabilities = gpu_model.capabilities  # models.protocols.Capabilities: what it can do
+        self._vocabulary = None  # the grammar's byte trie of the vocabulary, built at the first constraint
+        self._constraints: dict = {}  # Model.constraint's cache
 
     @classmethod
     def load(cls, source, device=None, progress=None, numerics="float", depth=None) -> "Model":
@@ -88,7 +90,7 @@ class Model:
     @property
     def warnings(self) -> list:
         """What is wrong with the loaded file (non-finite weights): empty for a sound model."""
-        return list(getattr(self.gpu, "warnings", ()))
+        return list(self.gpu.warnings)
 
     # ------------------------------------------------------------------ prompts
     def encode_request(self, prompt=None, *, query=None, tools=None, system=None, ids=None) -> list:
@@ -176,7 +178,7 @@ class Model:
             return
         # Tool-call requests score confidence in the same forward, when the model has a head
         # it can finish (a head over the host budget leaves generation unscored, not refused).
-        scored = (query is not None or tools is not None) and _servable_head(getattr(self.gpu, "confidence", None))
+        scored = (query is not None or tools is not None) and self.capabilities.confidence
         pooled = scored and spec is None  # speculative sessions rewind: they score afterwards
         session = self.gpu.session(context=context, kv=kv, confidence=True) if pooled else \
             self.gpu.session(context=context, kv=kv)
@@ -215,7 +217,7 @@ class Model:
                 fed = session.position - len(request)
                 if fed < len(out.ids) and session.position < session.context:
                     session.prefill(out.ids[fed:][: session.context - session.position])
-                out.confidence = _probability(session.confidence_logit_so_far())
+                out.confidence = probability_of_logit(session.confidence_logit_so_far())
         finally:
             session.close()
             if steps.speculator is not None:
@@ -225,7 +227,7 @@ class Model:
         """``stream``'s speculative option checked: None, or (draft depth, k)."""
         if speculative is None:
             return None
-        if not hasattr(self.gpu, "at_depth"):
+        if not self.capabilities.depth_ladder:
             raise DepthError("speculative decoding drafts with a rung: only Needle 3 files have a ladder")
         if matcher is not None:
             raise InputError("speculative decoding does not take constrained decoding (pass constrained=False)")
@@ -244,20 +246,26 @@ class Model:
         return None if constraint is None else constraint.matcher()
 
     def _answer_constraint(self, tools, constrained, tool_request: bool):
-        """The ``grammar.Constraint`` of the family's answer grammar for ``tools`` (built once
-        per tools JSON), or None where the request is not constrained: ``constrained`` None
-        means on for tool requests of a family with an answer grammar, off when the schemas
-        are outside the grammar's subset; True raises for either."""
-        grammar_of = getattr(self.chat_format, "answer_grammar", None)
-        wanted = tool_request and grammar_of is not None if constrained is None else bool(constrained)
+        """The ``grammar.Constraint`` of a tool request's answer in the chat format's tool-call
+        format (``chat.tool_calls.ToolCallFormat``; built once per tools JSON), or None where
+        the request is not constrained. ``constrained`` None: on for tool requests where the
+        format has an answer grammar (one that may decline: Needle 3), off when the schemas are
+        outside the grammar's subset; True: the answer grammar, else at least one call (as
+        ``Model.chat``'s ``tool_choice="required"``), and raises for either problem."""
+        calls = self.chat_format.tool_calls
+        answer = calls.answer_grammar if calls is not None else None
+        wanted = tool_request and answer is not None if constrained is None else bool(constrained)
         if not wanted:
             return None
-        if grammar_of is None:
-            raise UnsupportedModelError("this model family has no constrained tool-call decoding")
+        if calls is None:
+            raise UnsupportedModelError("this model's chat template writes tool calls in a format the engine "
+                                        "cannot constrain (only <tool_call> blocks and Needle 3's answer)")
+        grammar_of = answer or calls.required_grammar
         from .grammar import GrammarError
 
         try:
-            return self.constraint(compact_key(tools), lambda: grammar_of(tools))
+            return self.constraint(f"{calls.name}:{'answer' if answer else 'required'}:{compact_key(tools)}",
+                                   lambda: grammar_of(tools))
         except GrammarError:
             if constrained:  # asked for: the schema's problem is the caller's
                 raise
@@ -268,14 +276,14 @@ class Model:
         ``key`` (``nodes()`` gives the grammar's automaton nodes, e.g. ``compile_schema``'s);
         the vocabulary's byte trie is built once per model. Its ``matcher()`` drives one
         generation (``Conversation.stream(constraint=...)``)."""
-        if not getattr(self.gpu, "supports_mask", True) or self.tokenizer is None:
+        if not self.capabilities.mask or self.tokenizer is None:
             raise UnsupportedModelError("this model cannot decode under a grammar (no mask support or tokenizer)")
         from .grammar import Automaton, Constraint, Vocabulary
 
-        cache = self.__dict__.setdefault("_constraints", {})
+        cache = self._constraints
         constraint = cache.get(key)
         if constraint is None:
-            vocabulary = getattr(self, "_vocabulary", None)
+            vocabulary = self._vocabulary
             if vocabulary is None:
                 stops = self.chat_format.stop_ids(self.tokenizer)
                 vocabulary = self._vocabulary = Vocabulary.of_tokenizer(self.tokenizer, rows=self.geometry.head_rows,
@@ -328,8 +336,8 @@ class Model:
         Pass ``ids`` directly, or a prompt and a completion as text. Empty input -> 0.5 (no
         evidence either way). Raises UnsupportedModelError when the file has no such head.
         """
-        if not hasattr(self.gpu, "confidence"):
-            raise UnsupportedModelError("this model family has no confidence head")
+        if CONFIDENCE_HEAD not in self.capabilities.heads:
+            raise UnsupportedModelError("this model has no confidence head")
         if ids is None:
             scored = as_text(prompt, "prompt") + as_text(completion, "completion")
             tokenizer = self._need_tokenizer()
@@ -344,7 +352,7 @@ class Model:
             logit = session.confidence_logit(request[: session.context])
         finally:
             session.close()
-        return _probability(logit)
+        return probability_of_logit(logit)
 
     def embed(self, text=None, *, ids=None) -> list:
         """The embedding head's L2-normalised vector (§7, §U a) for ``text`` (BOS + its ids) or
@@ -358,8 +366,7 @@ class Model:
 
     def _head_output(self, code: int, name: str, text, ids) -> list:
         """One probe head over BOS + text (or ``ids``): one prefill, its pool read back."""
-        heads = getattr(self.gpu, "heads", None)
-        if heads is None or code not in heads:
+        if code not in self.capabilities.heads:
             raise UnsupportedModelError(f"this model has no {name} head")
         if ids is None:
             tokenizer = self._need_tokenizer()
@@ -386,22 +393,6 @@ class Model:
             return session.all_logits(request[: session.context])
         finally:
             session.close()
-
-
-def _servable_head(head) -> bool:
-    """A probe head whose host finish fits the budget (``kernels.probe.MAX_HOST_WORK``)."""
-    if head is None:
-        return False
-    try:
-        head.check()
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-def _probability(logit: float) -> float:
-    """σ(logit), saturating: 0 for a NaN or very negative logit."""
-    return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0
 
 
 def compact_key(tools) -> str:

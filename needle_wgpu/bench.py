@@ -301,7 +301,8 @@ def run_constrained_benchmark(args) -> dict:
     numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)
     model = load(path, progress=Progress(), numerics=numerics, depth=depth)
     g = model.geometry
-    grammar_of = getattr(model.chat_format, "answer_grammar", None)
+    calls = model.chat_format.tool_calls
+    grammar_of = calls.answer_grammar if calls is not None else None
     if grammar_of is not None:
         grammar, prompt = grammar_of(BENCH_TOOLS), model.encode_request(query=BENCH_QUERY, tools=BENCH_TOOLS)
     else:

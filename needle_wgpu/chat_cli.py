@@ -43,7 +43,7 @@ def run_chat(args, model) -> int:
     from .cli import _writes_utf8
 
     conversation = model.conversation(args.system, tools=args.tools, context=args.context, kv=args.kv)
-    note = model.chat_format.template.note if hasattr(model.chat_format, "template") else None
+    note = model.chat_format.template.note if model.chat_format.template is not None else None
     if note and not args.json:
         print(f"note: {note}", file=sys.stderr)
     try:

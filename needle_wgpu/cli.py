@@ -189,7 +189,7 @@ def cmd_heads(args) -> int:
         source = dict(text=args.text or "")
     wanted = args.head or ["embedding", "confidence", "router"]
     present = {1: "embedding", 2: "confidence", 3: "router"}
-    have = {present[c] for c in getattr(model.gpu, "heads", {})}
+    have = {present[c] for c in model.capabilities.heads}
     out = {}
     for name in wanted:
         if name not in have and args.head is None:
@@ -230,7 +230,7 @@ def cmd_logits(args) -> int:
     model = _load_args(args, Path(args.model), Progress(args.quiet))
     ids = _ids_option(args.ids)
     rows = model.logits(ids)
-    print(json.dumps({"ids": ids, "depth": model.geometry.num_layers if hasattr(model.gpu, "rung") else None,
+    print(json.dumps({"ids": ids, "depth": model.geometry.num_layers if model.capabilities.depth_ladder else None,
                       "logits": rows[-1:] if args.last else rows}))
     return 0
 

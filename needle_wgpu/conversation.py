@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from .errors import ContextFullError, InputError, UnsupportedModelError
 from .chat.template import check_messages, check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
+from .formats.cact import CONFIDENCE_HEAD
 from .generation import Decoded, Steps, decode
 from .grammar import Constraint
 from .inputs import as_text, callback_or_none, checked_methods, flag, instance_or_none, optional_text, stop_strings
-from .logprobs import saturate_top_logprobs
+from .logprobs import probability_of_logit, saturate_top_logprobs
 from .sampling import Sampling, clamp_budget
 
 MIN_REPLY_ROOM = 16  # positions a turn keeps free for the reply when max_tokens asks for more than fits
@@ -57,17 +58,15 @@ class Conversation:
     assistant message; ``stream(text)`` yields its text pieces (tool-call blocks held back)."""
 
     def __init__(self, model, *, system=None, tools=None, context=None, kv=None, confidence=False):
-        if not hasattr(model.chat_format, "render_ids"):
-            raise UnsupportedModelError("this model family has no chat template: use generate()")
         self.model = model
         self.tools = check_tools(tools)
         self.kv, self.requested_context = kv, context
         # The session runs the confidence head's pool alongside every turn (confidence()).
         self.scores_confidence = flag(confidence, "confidence")
-        if self.scores_confidence and getattr(model.gpu, "confidence", None) is None:
+        if self.scores_confidence and CONFIDENCE_HEAD not in model.capabilities.heads:
             raise UnsupportedModelError("this model has no confidence head")
         # Formats that splice a reply's sampled ids back into the next rendering get them.
-        self.keeps_reply_ids = bool(getattr(model.chat_format, "renders_reply_ids", False))
+        self.keeps_reply_ids = model.chat_format.renders_reply_ids
         self.messages: list = []
         self.session = None
         self.cached: list = []  # the ids whose keys and values the session holds, in order
@@ -116,9 +115,7 @@ class Conversation:
         session), so the pool holds exactly those positions."""
         if not self.scores_confidence or self.session is None or self.session.position == 0:
             return None
-        from .api import _probability
-
-        return _probability(self.session.confidence_logit_so_far())
+        return probability_of_logit(self.session.confidence_logit_so_far())
 
     # ------------------------------------------------------------------ a turn
     def send(self, content=None, *, role="user", **options) -> dict:

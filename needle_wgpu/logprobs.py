@@ -75,3 +75,8 @@ def token_logprob(values: list, token: int, top: int) -> TokenLogprob:
     best = heapq.nlargest(top, range(len(logprobs)), key=logprobs.__getitem__) if top else []
     chosen = logprobs[token] if 0 <= token < len(logprobs) else -math.inf
     return TokenLogprob(token, chosen, tuple((i, logprobs[i]) for i in best))
+
+
+def probability_of_logit(logit: float) -> float:
+    """σ(logit), saturating: 0 for a NaN or very negative logit."""
+    return 1.0 / (1.0 + math.exp(-logit)) if logit > -700 else 0.0

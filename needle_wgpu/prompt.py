@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .chat.tool_calls import ToolCallFormat
 from .errors import InputError
 from .inputs import as_text, checked
 
@@ -240,12 +241,38 @@ def _normalise_call(i: int, item, problems: list) -> dict | None:
 # ----------------------------------------------------------------------------- the chat format
 
 
+def _answer_grammar(tools) -> list:
+    """The grammar of a §9 answer: reasoning, then ``<tool_call>[calls]</tool_call>``, ``[]`` allowed."""
+    from .grammar.tool_calls import tool_call_grammar
+
+    return tool_call_grammar(tools)
+
+
+def _required_grammar(tools, names=None) -> list:
+    """A §9 answer of at least one call (to one of ``names`` when given)."""
+    from .grammar.tool_calls import tool_call_grammar
+
+    chosen = [t for t in json.loads(compact_tools_json(tools)) if names is None or _tool_name(t) in names]
+    return tool_call_grammar(chosen, min_calls=1)
+
+
+def _tool_name(tool) -> str | None:
+    function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+    return function.get("name") if isinstance(function, dict) else None
+
+
+# Needle 3's calls (§9): one JSON array in one <tool_call> block.
+NEEDLE3_CALLS = ToolCallFormat("needle3", required_grammar=_required_grammar, answer_grammar=_answer_grammar)
+
+
 class Needle3Chat:
     """How the engine speaks to a Needle 3 model (the ``ChatFormat`` of ``api.Model``)."""
 
     # Conversation records each reply's sampled ids on its message ("token_ids"): render_ids
     # splices them back, so the next turn's ids start with exactly what the KV cache holds.
     renders_reply_ids = True
+    template = None  # §9's format is fixed: no chat template in the file
+    tool_calls = NEEDLE3_CALLS
 
     def render_ids(self, tokenizer, messages, tools=None) -> list:
         """Ids of a multi-turn conversation (``Conversation``; docs/api.md, "Needle 3 turns").
@@ -310,12 +337,6 @@ class Needle3Chat:
     def parse(text) -> Completion:
         return parse_completion(text)
 
-    @staticmethod
-    def answer_grammar(tools) -> list:
-        """The grammar constrained tool calls follow (``grammar.tool_calls``)."""
-        from .grammar.tool_calls import tool_call_grammar
-
-        return tool_call_grammar(tools)
 
 
 def _encode_rendered(tokenizer, text: str, continued: bool) -> list:
@@ -344,3 +365,4 @@ def _calls_text(calls) -> str:
                 pass
         answer.append({"name": function.get("name"), "arguments": arguments})
     return TOOL_CALL_START + json.dumps(answer, separators=(",", ":"), ensure_ascii=False) + TOOL_CALL_END
+

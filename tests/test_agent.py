@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from needle_wgpu.formats.cact import CONFIDENCE_HEAD
+from needle_wgpu.models.protocols import Capabilities
 from needle_wgpu import Agent, InputError, tool
 from needle_wgpu.api import Model
 from needle_wgpu.errors import ContextFullError, UnsupportedModelError
@@ -72,11 +74,9 @@ class ScriptedNeedle3:
     def __init__(self, replies, confidence=True):
         self.tokenizer, self.chat, self.geometry = TOKENIZER, CHAT, Geometry()
         self.replies, self.prefills, self.sessions = list(replies), [], []
-        if confidence:
-            self.confidence = self  # _servable_head calls check()
-
-    def check(self):
-        pass
+        self.capabilities = Capabilities(heads=frozenset({CONFIDENCE_HEAD} if confidence else ()),
+                                         confidence=confidence, mask=True)
+        self.name, self.warnings = "needle-wgpu-scriptedneedle3", []
 
     def session(self, context=None, kv="f32", confidence=False):
         self.sessions.append(ScriptedSession(self, context, confidence))
@@ -200,15 +200,35 @@ def test_bad_arguments_are_input_errors():
         Agent(model, tools=[{"name": "p", "parameters": {"type": "string", "pattern": "a"}}], constrained=True)
 
 
-def test_a_family_without_an_answer_grammar_refuses_constrained():
-    class NoGrammar(Needle3Chat):
-        answer_grammar = None
+def test_a_format_without_a_tool_call_grammar_refuses_constrained():
+    class NoCallFormat(Needle3Chat):
+        tool_calls = None
 
     gpu = ScriptedNeedle3(["<tool_call>[]</tool_call>"])
-    gpu.chat = NoGrammar()
+    gpu.chat = NoCallFormat()
     with pytest.raises(UnsupportedModelError):
         Agent(Model(gpu), tools=[add], constrained=True)
     assert Agent(Model(gpu), tools=[add]).constraint is None  # the default decodes freely
+
+
+def test_a_dense_agent_constrains_as_chat_does():
+    """The tagged format (SmolLM2's template) has no grammar that may decline, so by default a
+    dense agent decodes freely, as ``Model.chat(tool_choice="auto")``; ``constrained=True`` is
+    ``tool_choice="required"``: every reply is one or more valid ``<tool_call>`` blocks."""
+    from needle_wgpu.chat.tool_calls import TAGGED
+    from test_conversation import ScriptedGpu
+
+    model = Model(ScriptedGpu())
+    assert model.chat_format.tool_calls is TAGGED and Agent(model, tools=[add]).constraint is None
+    constraint = Agent(model, tools=[add], constrained=True).constraint
+    call_ids = model.encode('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>')
+    matcher = constraint.matcher()
+    for token_id in call_ids:
+        matcher.accept(token_id)
+    assert matcher.accepting
+    plain = model.encode("It is 5.")[0]
+    assert not constraint.matcher().mask()[plain // 8] >> (plain % 8) & 1  # free text is refused
+    assert model.generate(query="add", tools=[add.schema], constrained=True, max_tokens=0).finish_reason == "length"
 
 
 def test_a_dense_model_runs_its_template_tool_calls():

@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from needle_wgpu.formats.cact import CONFIDENCE_HEAD
+from needle_wgpu.models.protocols import Capabilities
 from needle_wgpu import cli, errors, prompt
 from needle_wgpu.engine import GenerationResult, Needle3
 from needle_wgpu.errors import (ContainerError, ContextFullError, DeviceError, DeviceLimitError, DeviceLostError,
@@ -94,7 +96,9 @@ class RecordingGpu:
     def __init__(self, script=(), fail_at=None, fail_with=None, confidence_value=0.0):
         self.geometry = TINY
         self.tokenizer, self.chat = TOKENIZER, Needle3Chat()
-        self.confidence = None  # has the capability; the session fakes the head's logit
+        # a confidence head (the session fakes its logit), not scored alongside generation
+        self.capabilities = Capabilities(heads=frozenset({CONFIDENCE_HEAD}), mask=True)
+        self.name, self.warnings = "needle-wgpu-recording", []
         self.script = list(script)
         self.fail_at, self.fail_with = fail_at, fail_with
         self.confidence_value = confidence_value

@@ -11,6 +11,7 @@ import pytest
 from needle_wgpu.api import Model
 from needle_wgpu.chat.dense import DenseChat
 from needle_wgpu.default_model import smollm2_path
+from needle_wgpu.models.protocols import Capabilities
 from needle_wgpu.errors import ContextFullError, DeviceLostError, InputError, NeedleError, UnsupportedModelError
 
 
@@ -76,6 +77,7 @@ class ScriptedGpu:
         self.geometry = Geometry()
         self.replies, self.prefills, self.rewinds, self.sessions = list(replies), [], [], []
         self.fail_next = False
+        self.capabilities, self.name, self.warnings = Capabilities(mask=True), "needle-wgpu-scriptedgpu", []
 
     def session(self, context=None, kv="f32"):
         self.sessions.append(ScriptedSession(self, context))
@@ -218,13 +220,24 @@ def test_bad_messages_are_input_errors_and_the_model_stays_usable(messages):
     assert model.chat([{"role": "user", "content": "Hi"}])["choices"][0]["message"]["content"] == "fine"
 
 
-def test_a_family_without_a_template_refuses_conversations():
-    class NoTemplate:
-        chat, tokenizer, geometry = object(), None, Geometry()
+def test_what_a_family_declares_it_lacks_is_refused():
+    """The API reads the family's Capabilities record, never probes attributes: a model whose
+    record says no mask, no heads and no ladder refuses constraints, heads and speculation."""
+    from needle_wgpu.errors import DepthError
+    from needle_wgpu.grammar import compile_schema
 
+    gpu = ScriptedGpu()
+    gpu.capabilities = Capabilities()
+    model = Model(gpu)
     with pytest.raises(UnsupportedModelError):
-        Model(NoTemplate()).conversation()
-    assert issubclass(UnsupportedModelError, NeedleError)
+        model.constraint("number", lambda: compile_schema({"type": "number"}))
+    for call in (lambda: model.confidence([2, 3]), lambda: model.embed(ids=[2]), lambda: model.route(ids=[2]),
+                 lambda: model.conversation(confidence=True)):
+        with pytest.raises(UnsupportedModelError):
+            call()
+    with pytest.raises(DepthError):
+        model.generate("x", speculative=(1, 2))
+    assert issubclass(UnsupportedModelError, NeedleError) and gpu.sessions == []
 
 
 def test_a_rewound_turn_that_runs_nothing_leaves_the_cache_record_true():

@@ -162,8 +162,11 @@ def test_families_without_heads_refuse_embed_and_route():
     from needle_wgpu.api import Model
     from needle_wgpu.errors import UnsupportedModelError
 
+    from needle_wgpu.models.protocols import Capabilities
+
     gpu = SimpleNamespace(geometry=SimpleNamespace(vocab=10, head_rows=10, max_seq_len=8), tokenizer=None,
-                          chat=None, session=lambda **k: pytest.fail("no session should be opened"))
+                          chat=None, capabilities=Capabilities(),
+                          session=lambda **k: pytest.fail("no session should be opened"))
     model = Model(gpu)
     for call in (lambda: model.embed(ids=[2, 3]), lambda: model.route(ids=[2, 3]),
                  lambda: model.confidence([2, 3])):

@@ -176,7 +176,7 @@ def _upload(data: bytes, name: str) -> dict:
 
 def _template_summary(model: Model):
     """How the chat renders: the file's own template (jinja) or the built-in ChatML, and why."""
-    template = getattr(model.chat_format, "template", None)
+    template = model.chat_format.template
     if template is None:
         return None
     try:
@@ -259,7 +259,7 @@ def render_chat(request_json: str) -> dict:
     the file has none), without running the model."""
     request = _request(request_json)
     model = _ready_model()
-    template = getattr(model.chat_format, "template", None)
+    template = model.chat_format.template
     if template is None:
         raise InputError("this model has no chat template (a Needle 3 file): use the tool-call form")
     messages = request.get("messages")

@@ -98,8 +98,8 @@ def reply_shape(model, tools, tool_choice, response_format) -> ReplyShape:
         tools = None
     calls = bool(tools) and (choice in ("required", "function") or kind != "text")
     if choice in ("required", "function") or calls:
-        fmt = getattr(getattr(model.chat_format, "template", None), "tool_call_format", None)
-        if fmt != "tagged":
+        calls_format = model.chat_format.tool_calls
+        if calls_format is None or not calls_format.chat_replies:
             if choice in ("required", "function"):
                 raise UnsupportedModelError(f"tool_choice {choice!r}: this model's chat template writes tool calls "
                                             "in a format the engine cannot constrain (only <tool_call> blocks)")
@@ -263,14 +263,7 @@ def _usage(stats) -> dict:
 
 def model_name(model) -> str:
     """The file's ``general.name`` (GGUF), else the family's name."""
-    gguf = getattr(model.gpu, "file", None)
-    name = None
-    if gguf is not None and hasattr(gguf, "get_str"):
-        try:
-            name = gguf.get_str("general.name", None)
-        except Exception:  # a name of the wrong type: unnamed
-            name = None
-    return name or "needle-wgpu-" + type(model.gpu).__name__.lower()
+    return model.gpu.name
 
 
 def turn_logprobs(stats, reply) -> list | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..prompt import Completion
 from .template import ChatTemplate, check_tools
-from .tool_calls import parse_reply
+from .tool_calls import TAGGED, parse_reply
 
 
 def _token_text(tokenizer, token_id) -> str:
@@ -17,11 +17,15 @@ def _token_text(tokenizer, token_id) -> str:
 
 
 class DenseChat:
+    renders_reply_ids = False  # a conversation re-renders replies from their text
+
     def __init__(self, tokenizer, template_source: str | None = None):
         self.tokenizer = tokenizer
         bos = _token_text(tokenizer, getattr(tokenizer, "bos_token_id", None))
         eos = _token_text(tokenizer, getattr(tokenizer, "eos_id", None))
         self.template = ChatTemplate(template_source, bos_token=bos, eos_token=eos)
+        # the template's tool-call format, where the engine can constrain it (else None)
+        self.tool_calls = TAGGED if self.template.tool_call_format == "tagged" else None
 
     def request_ids(self, tokenizer, *, prompt=None, query=None, tools=None, system=None) -> list:
         """A raw prompt: BOS (when the file asks for it) + the text's ids, special tokens parsed

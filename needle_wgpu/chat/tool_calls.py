@@ -11,12 +11,31 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..formats.stream_decoder import partial_tail
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a chat format's model writes tool calls, and the grammars that constrain them: every
+    surface (``Model.generate(tools=...)``, ``Agent``, ``Model.chat``) asks this one record.
+
+    ``answer_grammar(tools)``: the nodes of an answer to a tool request that may also decline
+    (Needle 3: ``[]``), so a tool request is constrained by default; None where an unconstrained
+    answer may be free text (the request is then constrained only when asked: ``constrained=True``
+    or ``tool_choice`` "required"). ``required_grammar(tools, names=None)``: the nodes of an
+    answer of at least one call (to one of ``names`` when given). ``chat_replies``: whether
+    ``Model.chat``'s reply grammar (a JSON document, calls, or either) writes calls this way."""
+
+    name: str
+    required_grammar: Callable
+    answer_grammar: Callable | None = None
+    chat_replies: bool = False
 
 
 @dataclass
@@ -131,3 +150,13 @@ class ToolCallHolder:
     def finish(self) -> str:
         shown, self.pending = ("" if self.inside else self.pending), ""
         return shown
+
+
+def _tagged_required(tools, names=None, max_calls: int = 4) -> list:
+    from ..grammar.tagged_calls import reply_grammar
+
+    return reply_grammar(tools=tools, names=names, max_calls=max_calls)
+
+
+# Hermes/Qwen ``<tool_call>`` blocks (``grammar/tagged_calls.py``), parsed by ``parse_reply``.
+TAGGED = ToolCallFormat("tagged", required_grammar=_tagged_required, chat_replies=True)

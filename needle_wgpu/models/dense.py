@@ -41,6 +41,7 @@ from ..kernels import moe as moe_ops
 from ..kernels import norm as norm_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
+from .protocols import Capabilities
 from .session import ChunkedSession, PlanKey, clamp_context
 
 PREFILL_CHUNK = 64
@@ -203,6 +204,22 @@ class DenseGpu:
 
     def vector(self, name: str) -> int:
         return self.vectors.at[name]
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(numerics=NUMERICS, mask=DenseSession.supports_mask, verify=DenseSession.supports_verify)
+
+    @property
+    def name(self) -> str:
+        """The file's ``general.name``, else the family's name."""
+        try:
+            return self.file.get_str("general.name", None) or "needle-wgpu-dense"
+        except Exception:  # a name of the wrong type: unnamed
+            return "needle-wgpu-dense"
+
+    @property
+    def warnings(self) -> list:
+        return []
 
     def describe(self) -> dict:
         return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes}

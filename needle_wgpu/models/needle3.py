@@ -22,6 +22,7 @@ from ..kernels.params import Fp16Store, permutation_words
 from ..prompt import Needle3Chat
 from .needle3_support import check_supported, widest_row_bytes
 from .ladder import Rung, full_rung, rung
+from .protocols import Capabilities
 from .session import ChunkedSession, PlanKey, session_ids
 
 PREFILL_CHUNK = 64
@@ -149,6 +150,18 @@ class Needle3Gpu:
         view.heads = {code: head.at_cells(r.cells) for code, head in full.heads.items()}
         view.confidence = view.heads.get(probe_ops.CONFIDENCE)
         return view
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this file (at this rung) can do: its probe heads, the ladder, both numerics."""
+        confidence = self.confidence is not None and self.confidence.host_work <= probe_ops.MAX_HOST_WORK
+        return Capabilities(heads=frozenset(self.heads), confidence=confidence, depth_ladder=True,
+                            numerics=NUMERICS, mask=Needle3Session.supports_mask,
+                            verify=Needle3Session.supports_verify)
+
+    @property
+    def name(self) -> str:
+        return "needle-wgpu-needle3"
 
     @property
     def mix_width(self) -> int:
