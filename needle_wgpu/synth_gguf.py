@@ -1,12 +1,13 @@
 """Tiny random dense GGUF files for tests (spec dense-gguf.md §9, "without a real file").
 
-`write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic llama / qwen2 /
-qwen3 / gemma3 / qwen3moe / olmoe model that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type
-(Q8_0 by default), norms and biases in F32, and SmolLM2's tokenizer metadata when the SmolLM2
-file is installed (else a minimal byte-level vocabulary). NumPy and PyPI `gguf` are needed
-(test-time only, like `synth.py`). MoE files have `n_expert` experts (8 by default) of width
-`n_ff`, top-`n_expert_used` (2); the router `ffn_gate_inp` stays F32 (as converters keep it), so
-llama.cpp's 8-bit activations do not move the routing.
+`write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic model of any
+architecture of `formats.dense_archs.ARCHITECTURES` (llama / qwen2 / qwen3 / gemma3 / qwen3moe /
+olmoe), with the keys and tensors its row names, that llama.cpp loads: 2 layers, d 64, GQA 4/2,
+matrices in one quantisation type (Q8_0 by default), norms and biases in F32, and SmolLM2's
+tokenizer metadata when the SmolLM2 file is installed (else a minimal byte-level vocabulary).
+NumPy and PyPI `gguf` are needed (test-time only, like `synth.py`). MoE files have `n_expert`
+experts (8 by default) of width `n_ff`, top-`n_expert_used` (2); the router `ffn_gate_inp` stays
+F32 (as converters keep it), so llama.cpp's 8-bit activations do not move the routing.
 
 Weight scales are chosen so the outputs are not degenerate: the layers' contributions to the
 residual stream are comparable to the embedding, so the next token is not simply the last one,
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "olmoe")
-MOE_ARCHS = ("qwen3moe", "olmoe")
+from .formats.dense_archs import ARCHITECTURES, ArchRules
+
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
 
 
@@ -40,10 +41,10 @@ class SynthDense:
     head_dim: int = 16          # n_head · head_dim may differ from d (Qwen3-0.6B does)
     qtype: str = "Q8_0"         # every matrix; norms and biases stay F32
     seed: int = 0
-    tied: bool | None = None    # None: tied for llama/qwen3, untied for qwen2 (as the real files)
+    tied: bool | None = None    # None: the row's tied_head (llama/qwen3 tied, qwen2 not: as the real files)
     output_bias: bool = False   # qwen2's optional output.bias [vocab]
     rope_base: float = 10000.0
-    eps: float | None = None    # None: 1e-5 for llama, 1e-6 for qwen (their files' values)
+    eps: float | None = None    # None: the row's rms_eps (llama 1e-5, qwen 1e-6: their files' values)
     context: int = 512
     sliding_window: int = 4     # gemma3: the sliding layers' window (small, so prompts exceed it)
     rope_scaling: float = 0.0   # linear RoPE scaling factor (rope.scaling.factor); 0 = none
@@ -55,17 +56,25 @@ class SynthDense:
     n_expert_used: int = 2
     router_scale: float = 1.5   # router logits' spread for a unit-RMS input (well-separated top-k)
 
+    @property
+    def rules(self) -> ArchRules:
+        """The architecture's row of `formats.dense_archs.ARCHITECTURES`."""
+        return ARCHITECTURES[self.arch]
+
     def resolved(self) -> "SynthDense":
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        rules = ARCHITECTURES.get(self.arch)
+        if rules is None:
+            raise ValueError(f"arch must be one of {tuple(ARCHITECTURES)}, got {self.arch!r}")
         if self.qtype not in QTYPES:
             raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
-        tied = self.tied if self.tied is not None else self.arch not in ("qwen2", "olmoe")
-        eps = self.eps if self.eps is not None else (1e-5 if self.arch == "llama" else 1e-6)
-        if self.arch == "gemma3" and self.n_layers < 6:
-            raise ValueError("a gemma3 file needs 6 layers or more to hold a global layer (il % 6 == 5)")
-        # llama.cpp's olmoe loader wants attn_k_norm [d]: no GQA (OLMoE has none)
-        kv_heads = self.n_head if self.arch == "olmoe" else self.n_head_kv
+        tied = self.tied if self.tied is not None else rules.tied_head
+        eps = self.eps if self.eps is not None else rules.rms_eps
+        every = rules.sliding_every
+        if every and self.n_layers < every:
+            raise ValueError(f"a {self.arch} file needs {every} layers or more to hold a global layer "
+                             f"(il % {every} == {every - 1})")
+        # e.g. llama.cpp's olmoe loader wants attn_k_norm [d]: no GQA (OLMoE has none)
+        kv_heads = self.n_head_kv if rules.gqa else self.n_head
         return replace(self, tied=tied, eps=eps, n_head_kv=kv_heads)
 
 
@@ -178,6 +187,7 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
     """The f32 tensors (before quantisation) of a synthetic model for a vocabulary of `tokens`,
     in file order, [out][in]."""
     s = spec.resolved()
+    rules = s.rules
     rng = np.random.default_rng(s.seed)
     vocab = len(tokens)
     d, q_width, kv_width = s.d, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
@@ -197,19 +207,19 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t[b + "attn_q.weight"] = _matrix(rng, q_width, d, 1.5 / np.sqrt(d))  # sharper attention
         t[b + "attn_k.weight"] = _matrix(rng, kv_width, d, 1.5 / np.sqrt(d))
         t[b + "attn_v.weight"] = _matrix(rng, kv_width, d, 1 / np.sqrt(d))
-        if s.arch == "qwen2":
+        if rules.qkv_bias == "required":  # optional ones (llama) are left out, as in the usual files
             t[b + "attn_q.bias"] = _bias(rng, q_width)
             t[b + "attn_k.bias"] = _bias(rng, kv_width)
             t[b + "attn_v.bias"] = _bias(rng, kv_width)
-        if s.arch in ("qwen3", "gemma3", "qwen3moe"):
+        if rules.qk_norm == "head":
             t[b + "attn_q_norm.weight"] = _norm(rng, s.head_dim)
             t[b + "attn_k_norm.weight"] = _norm(rng, s.head_dim)
-        if s.arch == "olmoe":  # full width, before the head split (§2)
+        elif rules.qk_norm == "full":  # full width, before the head split (§2)
             t[b + "attn_q_norm.weight"] = _norm(rng, q_width)
             t[b + "attn_k_norm.weight"] = _norm(rng, kv_width)
         t[b + "attn_output.weight"] = _matrix(rng, d, q_width, s.layer_gain / np.sqrt(q_width))
         t[b + "ffn_norm.weight"] = _norm(rng, d)
-        if s.arch in MOE_ARCHS:
+        if rules.moe:
             e, ff = s.n_expert, s.n_ff
             t[b + "ffn_gate_inp.weight"] = _matrix(rng, e, d, s.router_scale / np.sqrt(d))
             t[b + "ffn_gate_exps.weight"] = (rng.standard_normal((e, ff, d)) / np.sqrt(d)).astype(np.float32)
@@ -221,7 +231,7 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t[b + "ffn_up.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
         # silu(g)·u of unit-variance g, u has RMS ~0.6: scale down by it to keep layer_gain
         t[b + "ffn_down.weight"] = _matrix(rng, d, s.n_ff, s.layer_gain / 0.6 / np.sqrt(s.n_ff))
-        if s.arch == "gemma3":
+        if rules.post_norms:
             # The post-norms set each branch's RMS to their weights' size; the residual stream
             # starts at embed_scale · sqrt(d) (the scaled embedding): weights of layer_gain times
             # that keep the layers' share as for the other archs (Gemma's own are large too).
@@ -248,7 +258,7 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     writer = GGUFWriter(str(path), s.arch)
     writer.add_name(f"synthetic {s.arch} seed {s.seed}")
     tokens = _add_tokenizer(writer, tokenizer)
-    a = s.arch
+    a, rules = s.arch, s.rules
     writer.add_uint32(f"{a}.block_count", s.n_layers)
     writer.add_uint32(f"{a}.context_length", s.context)
     writer.add_uint32(f"{a}.embedding_length", s.d)
@@ -261,12 +271,12 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     writer.add_float32(f"{a}.rope.freq_base", s.rope_base)
     writer.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
     writer.add_uint32(f"{a}.vocab_size", len(tokens))
-    if a in MOE_ARCHS:
+    if rules.moe:
         writer.add_uint32(f"{a}.expert_count", s.n_expert)
         writer.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
-        if a == "qwen3moe":
-            writer.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff)
-    if a == "gemma3":
+        if rules.expert_width_key:
+            writer.add_uint32(f"{a}.{rules.expert_width_key}", s.n_ff)
+    if rules.sliding_every:
         writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
     if s.rope_scaling:
         writer.add_string(f"{a}.rope.scaling.type", "linear")

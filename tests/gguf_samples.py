@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass, field
 
 from needle_wgpu.formats import gguf as G
+from needle_wgpu.formats.dense_archs import ARCHITECTURES
 from needle_wgpu.formats.gguf_types import BY_NAME
 
 _CODES = {G.UINT8: "B", G.INT8: "b", G.UINT16: "H", G.INT16: "h", G.UINT32: "I", G.INT32: "i",
@@ -123,11 +124,12 @@ def dense_kvs(arch: str, *, layers, d, heads, kv_heads, head_dim, ff, vocab, con
            (k + "attention.key_length", G.UINT32, head_dim), (k + "attention.value_length", G.UINT32, head_dim),
            (k + "rope.freq_base", G.FLOAT32, 10000.0),
            (k + "attention.layer_norm_rms_epsilon", G.FLOAT32, 1e-6)]
-    if arch in ("qwen3moe", "olmoe"):
+    rules = ARCHITECTURES[arch]
+    if rules.moe:
         kvs += [(k + "expert_count", G.UINT32, experts), (k + "expert_used_count", G.UINT32, experts_used)]
-    if arch == "qwen3moe":
-        kvs.append((k + "expert_feed_forward_length", G.UINT32, ff))
-    if arch == "gemma3":
+        if rules.expert_width_key:
+            kvs.append((k + rules.expert_width_key, G.UINT32, ff))
+    if rules.sliding_every:
         kvs.append((k + "attention.sliding_window", G.UINT32, 8))
     if tokenizer:
         tokens = [f"t{i}" if i % 7 else f"Ġé漢{i}" for i in range(vocab)]
@@ -161,15 +163,15 @@ def dense_parts(arch: str = "llama", *, tied: bool = True, qtype: str = "Q8_0", 
     ``tensors_fn`` may edit the (name, ne, type_id, bytes) list."""
     from needle_wgpu.formats.dense_geometry import DenseGeometry
 
-    values = {**ARCH_DEFAULTS, **sizes}
-    tied = tied and arch != "olmoe"
-    experts = 4 if arch in ("qwen3moe", "olmoe") else 0
+    values, rules = {**ARCH_DEFAULTS, **sizes}, ARCHITECTURES[arch]
+    tied = tied and not rules.output_required
+    experts = 4 if rules.moe else 0
     geometry = DenseGeometry(
         arch=arch, num_layers=values["layers"], d_model=values["d"], ff_dim=values["ff"],
         num_heads=values["heads"], num_kv_heads=values["kv_heads"], key_dim=values["head_dim"],
         value_dim=values["head_dim"], rope_dims=values["head_dim"], rope_base=10000.0,
         rope_freq_scale=1.0, rms_eps=1e-6, vocab=values["vocab"], context_length=values["context"],
-        tied_head=tied, qkv_bias=arch == "qwen2" if qkv_bias is None else qkv_bias,
+        tied_head=tied, qkv_bias=rules.qkv_bias == "required" if qkv_bias is None else qkv_bias,
         output_bias=output_bias, num_experts=experts, num_experts_used=2 if experts else 0)
     tensors = dense_tensors(geometry, random.Random(seed), qtype)
     if tensors_fn is not None:

@@ -7,9 +7,12 @@ import pytest
 
 from gguf_samples import ARCH_DEFAULTS, dense_gguf
 from needle_wgpu.formats import gguf as G
-from needle_wgpu.formats.dense_geometry import ARCHS, DenseGeometry
+from needle_wgpu.formats.dense_archs import ARCHITECTURES
+from needle_wgpu.formats.dense_geometry import DenseGeometry
 from needle_wgpu.formats.gguf import open_gguf
 from needle_wgpu.formats.gguf_types import SUPPORTED
+
+ARCHS = list(ARCHITECTURES)
 
 
 def geometry_of(data) -> DenseGeometry:

@@ -1,11 +1,12 @@
 """Geometry of a dense GGUF model: one frozen dataclass, read from the metadata and checked
 against the tensors once, at load (spec §1, §2). Pure Python.
 
-Architectures: llama, qwen2, qwen3, gemma3 and the MoE pair qwen3moe, olmoe. Widths come from
-the keys (with llama.cpp's defaults) and every tensor the graph uses must have exactly the shape
-they imply, so a file whose tensor shapes disagree with its metadata is refused here, naming
-the tensor; a tensor the graph would not use (``rope_freqs.weight``, shared experts, ...) means
-a feature this engine does not implement and is refused by name too.
+Architectures: one row each in `dense_archs.ARCHITECTURES` (llama, qwen2, qwen3, gemma3 and the
+MoE pair qwen3moe, olmoe); what differs between them is read from the row (`rules`), never from
+the name. Widths come from the keys (with llama.cpp's defaults) and every tensor the graph uses
+must have exactly the shape they imply, so a file whose tensor shapes disagree with its metadata
+is refused here, naming the tensor; a tensor the graph would not use (``rope_freqs.weight``,
+shared experts, ...) means a feature this engine does not implement and is refused by name too.
 """
 
 from __future__ import annotations
@@ -14,17 +15,9 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ContainerError, UnsupportedModelError
+from .dense_archs import ARCHITECTURES, ArchRules
 from .gguf import ARRAY, REQUIRED, STRING, GgufFile
 from .gguf_types import require_supported
-
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3")
-MOE_ARCHS = ("qwen3moe", "olmoe")
-# Per-head QK-norm over head_dim (qwen3 family, gemma3) or full-width before the head split (olmoe).
-HEAD_QK_NORM = ("qwen3", "qwen3moe", "gemma3")
-GEMMA3_GLOBAL_EVERY = 6  # layer il is global when il % 6 == 5 (§3, Gemma 3)
-GEMMA3_LOCAL_ROPE_BASE = 10000.0  # hard-coded in llama.cpp, not in the file (§1)
-GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose query scale is 1/sqrt(d / n_head) (§3)
-ROPE_SCALINGS = ("none", "linear")  # yarn, longrope, ... need kernels this engine lacks
 
 MAX_DIM = 1 << 20
 MAX_LAYERS = 1024
@@ -62,6 +55,11 @@ class DenseGeometry:
 
     # ------------------------------------------------------------------ derived (§1, §3)
     @property
+    def rules(self) -> ArchRules:
+        """The architecture's row of `dense_archs.ARCHITECTURES`."""
+        return ARCHITECTURES[self.arch]
+
+    @property
     def head_rows(self) -> int:
         """Rows of the head (logits per position): the vocabulary."""
         return self.vocab
@@ -93,17 +91,17 @@ class DenseGeometry:
 
     @property
     def is_moe(self) -> bool:
-        return self.arch in MOE_ARCHS
+        return self.rules.moe
 
     @property
     def qk_norm(self) -> str:
         """'head' (one [key_dim] weight shared by every head), 'full' (olmoe) or '' (none)."""
-        return "head" if self.arch in HEAD_QK_NORM else "full" if self.arch == "olmoe" else ""
+        return self.rules.qk_norm or ""
 
     @property
     def rope_neox(self) -> bool:
         """NeoX pairing (x_j, x_{j+n/2}); llama GGUFs use adjacent pairs (§3)."""
-        return self.arch != "llama"
+        return self.rules.rope_style == "neox"
 
     @property
     def head_tensor(self) -> str:
@@ -111,19 +109,20 @@ class DenseGeometry:
 
     @property
     def attention_scale(self) -> float:
-        if self.arch == "gemma3" and self.num_layers == GEMMA3_27B_LAYERS:
+        if self.rules.d_query_scale_layers and self.num_layers == self.rules.d_query_scale_layers:
             return 1.0 / math.sqrt(max(self.d_model // self.num_heads, 1))
         return 1.0 / math.sqrt(self.key_dim)
 
     def is_global(self, layer: int) -> bool:
         """Whether a layer attends to the whole causal past (all but gemma3's sliding layers)."""
-        return self.arch != "gemma3" or layer % GEMMA3_GLOBAL_EVERY == GEMMA3_GLOBAL_EVERY - 1
+        every = self.rules.sliding_every
+        return every == 0 or layer % every == every - 1
 
     def rope(self, layer: int) -> tuple:
         """(freq_base, freq_scale) of one layer's RoPE."""
         if self.is_global(layer):
             return self.rope_base, self.rope_freq_scale
-        return GEMMA3_LOCAL_ROPE_BASE, 1.0
+        return self.rules.local_rope_base, 1.0
 
     # ------------------------------------------------------------------ tensors (§2)
     def layer_tensors(self, layer: int) -> list:
@@ -138,7 +137,7 @@ class DenseGeometry:
             out += [("attn_q_norm", (self.key_dim,)), ("attn_k_norm", (self.key_dim,))]
         elif self.qk_norm == "full":
             out += [("attn_q_norm", (self.q_dim,)), ("attn_k_norm", (self.k_dim,))]
-        if self.arch == "gemma3":
+        if self.rules.post_norms:
             out += [("post_attention_norm", (d,)), ("post_ffw_norm", (d,))]
         if self.is_moe:
             out += [("ffn_gate_inp", (d, n_exp)), ("ffn_gate_exps", (d, ff, n_exp)),
@@ -168,10 +167,11 @@ class DenseGeometry:
     @classmethod
     def from_gguf(cls, f: GgufFile) -> "DenseGeometry":
         arch = f.get_str("general.architecture")
-        if arch not in ARCHS:
+        rules = ARCHITECTURES.get(arch)
+        if rules is None:
             raise UnsupportedModelError(
                 f"metadata key 'general.architecture': architecture {arch!r} is not supported "
-                f"(supported: {', '.join(ARCHS)})")
+                f"(supported: {', '.join(ARCHITECTURES)})")
 
         def key(suffix):
             return f"{arch}.{suffix}"
@@ -184,11 +184,11 @@ class DenseGeometry:
         key_dim = _count(f, key("attention.key_length"), default=d // num_heads)
         ff_dim = _count(f, key("feed_forward_length"))
         experts = used = 0
-        if arch in MOE_ARCHS:
+        if rules.moe:
             experts = _count(f, key("expert_count"), hi=MAX_EXPERTS)
             used = _count(f, key("expert_used_count"), hi=MAX_EXPERTS)
-            if arch == "qwen3moe":
-                ff_dim = _count(f, key("expert_feed_forward_length"), default=max(ff_dim // used, 1))
+            if rules.expert_width_key:
+                ff_dim = _count(f, key(rules.expert_width_key), default=max(ff_dim // used, 1))
             if f.get_int(key("expert_gating_func"), 1) != 1:
                 raise UnsupportedModelError(f"metadata key {key('expert_gating_func')!r}: only softmax "
                                             "routing (1) is supported")
@@ -206,8 +206,8 @@ class DenseGeometry:
                 _bad("metadata key 'tokenizer.ggml.tokens'", "is not an array of strings")
             if len(tokens.value) != vocab:
                 _bad("metadata key 'tokenizer.ggml.tokens'", f"{len(tokens.value)} tokens for a vocabulary of {vocab}")
-        if arch == "olmoe" and "output.weight" not in f:
-            _bad("tensor 'output.weight'", "missing (olmoe has no tied head)")
+        if rules.output_required and "output.weight" not in f:
+            _bad("tensor 'output.weight'", f"missing ({arch} has no tied head)")
         geometry = cls(
             arch=arch, num_layers=_count(f, key("block_count"), hi=MAX_LAYERS), d_model=d,
             ff_dim=ff_dim, num_heads=num_heads,
@@ -215,16 +215,16 @@ class DenseGeometry:
             key_dim=key_dim, value_dim=_count(f, key("attention.value_length"), default=key_dim),
             rope_dims=_count(f, key("rope.dimension_count"), default=key_dim),
             rope_base=_real(f, key("rope.freq_base"), 10000.0, 1.0, 1e12),
-            rope_freq_scale=_rope_freq_scale(f, arch),
+            rope_freq_scale=_rope_freq_scale(f, arch, rules.rope_scalings),
             rms_eps=_real(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-12, 1.0),
             vocab=vocab, context_length=_count(f, key("context_length"), hi=MAX_CONTEXT),
             tied_head="output.weight" not in f,
-            # qwen2 always has them (missing ones are then named); llama files may.
-            qkv_bias=arch == "qwen2" or arch == "llama" and "blk.0.attn_q.bias" in f,
-            output_bias=arch == "qwen2" and "output.bias" in f,
+            # required: always read (missing ones are then named); optional: when blk.0 has them.
+            qkv_bias=rules.qkv_bias == "required" or rules.qkv_bias == "optional" and "blk.0.attn_q.bias" in f,
+            output_bias=rules.output_bias and "output.bias" in f,
             num_experts=experts, num_experts_used=used,
             sliding_window=_count(f, key("attention.sliding_window"), hi=MAX_CONTEXT)
-            if arch == "gemma3" else 0,
+            if rules.sliding_every else 0,
         )
         geometry._validate(key)
         geometry._check_tensors(f)
@@ -278,12 +278,12 @@ def _real(f: GgufFile, key: str, default: float, lo: float, hi: float) -> float:
     return value
 
 
-def _rope_freq_scale(f: GgufFile, arch: str) -> float:
+def _rope_freq_scale(f: GgufFile, arch: str, accepted: tuple) -> float:
     """1 / factor, as llama.cpp reads it: rope.scale_linear, else rope.scaling.factor (0 = none)."""
     kind = f.get_str(f"{arch}.rope.scaling.type", "linear")
-    if kind not in ROPE_SCALINGS:
+    if kind not in accepted:
         raise UnsupportedModelError(f"metadata key '{arch}.rope.scaling.type': {kind!r} RoPE scaling is not "
-                                    f"supported (supported: {', '.join(ROPE_SCALINGS)})")
+                                    f"supported (supported: {', '.join(accepted)})")
     factor_key = f"{arch}.rope.scale_linear"
     if factor_key not in f.fields:
         factor_key = f"{arch}.rope.scaling.factor"

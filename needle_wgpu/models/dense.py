@@ -49,7 +49,6 @@ KV_MODES = ("f32", "f16")  # f16: IEEE halves packed in words (core WGSL, no sha
 DEFAULT_CONTEXT = 4096  # a session's KV cache unless a longer one is asked for (the file may allow 128k)
 F32 = 4
 ALIGN = 64  # floats: every vector in the norms buffer starts on a 256-byte boundary
-RENORMALISED_MOE = ("qwen3moe",)  # §3 MoE: top-k weights divided by their sum; olmoe keeps the probabilities
 MOE_FFN = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
@@ -90,7 +89,7 @@ def describe(parsed: DenseFile, context: int | None = None) -> dict:
     context = default_context(g) if context is None else clamp_context(context, g.max_seq_len)
     weights = sum(f[name].nbytes for name, _ in g.tensors())
     experts = ({"count": g.num_experts, "used": g.num_experts_used, "width": g.ff_dim,
-                "renormalised": g.arch in RENORMALISED_MOE} if g.is_moe else None)
+                "renormalised": g.rules.renormalise} if g.is_moe else None)
     return {"family": "dense", "architecture": g.arch,
             "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__}, "experts": experts,
             "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
@@ -270,8 +269,8 @@ class DenseSession(ChunkedSession):
         plan = Plan(dev, f"dense chunk T={T}")
         step = Binding(self.step_uniform)
         vec = m.vector_buffer
-        gemma = g.arch == "gemma3"
-        embed_scale = sqrt(d) if gemma else 1.0
+        rules = g.rules
+        embed_scale = sqrt(d) if rules.embedding_scale else 1.0
         qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
         qkv_width = g.q_dim + g.k_dim + g.v_dim
         for layer in range(g.num_layers):
@@ -282,7 +281,7 @@ class DenseSession(ChunkedSession):
                 norm_ops.rms_norm(plan, arena, x=self.x, weights=vec, y=self.h, width=d, positions=T,
                                   eps=g.rms_eps, weight_at=norm, label="attn_norm 0")
             else:
-                post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if gemma else None
+                post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if rules.post_norms else None
                 norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                       positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
                                       label=f"ffn residual + attn_norm {layer}")
@@ -303,15 +302,15 @@ class DenseSession(ChunkedSession):
                                     positions=T, label=f"attention {layer}")
             qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=g.attn_out,
                              y_stride=d)
-            post = m.vector(name("post_attention_norm.weight")) if gemma else None
+            post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None
             norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                   positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
                                   residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
             if g.is_moe:
                 self._moe_ffn(plan, arena, w, T, layer)
             else:
-                self._dense_ffn(plan, arena, w, T, act="gelu_tanh" if gemma else "silu", label=f"ffn act {layer}")
-        post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if gemma else None
+                self._dense_ffn(plan, arena, w, T, act=rules.activation, label=f"ffn act {layer}")
+        post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if rules.post_norms else None
         norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                               positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
                               residual_weight_at=post, label="ffn residual + output_norm")
@@ -347,12 +346,12 @@ class DenseSession(ChunkedSession):
         qmatmul.q_matmul(plan, arena, w["ffn_gate_inp"], self.h, self.router_logits, positions=T, x_stride=d,
                          y_stride=experts)
         moe_ops.route(plan, arena, logits=self.router_logits, routes=self.routes, positions=T, experts=experts,
-                      used=used, renormalise=g.arch in RENORMALISED_MOE, label=f"moe route {layer}")
+                      used=used, renormalise=g.rules.renormalise, label=f"moe route {layer}")
         for name, offset in (("ffn_gate_exps", 0), ("ffn_up_exps", ff)):
             moe_ops.routed_matmul(plan, arena, w[name], self.routes, self.h, self.gate_up, experts=experts,
                                   used=used, positions=T, combine=False, x_stride=d, y_stride=2 * ff, y_offset=offset)
         ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
-                                 positions=T * used, act="silu", gate_stride=2 * ff, up_stride=2 * ff,
+                                 positions=T * used, act=g.rules.activation, gate_stride=2 * ff, up_stride=2 * ff,
                                  up_offset=ff, label=f"ffn act {layer}")
         moe_ops.routed_matmul(plan, arena, w["ffn_down_exps"], self.routes, self.act, self.branch, experts=experts,
                               used=used, positions=T, combine=True, x_stride=ff, y_stride=d)

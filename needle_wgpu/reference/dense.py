@@ -14,8 +14,14 @@ prefill followed by decode steps equals one all-positions forward bit for bit.
 
 Per-architecture differences live in one table, `ARCHITECTURES`, and a few small functions
 (`DenseConfig.attention_scale`, `is_sliding`, `layer_rope`): Gemma 3's embedding scale,
-post-norms, GELU FFN and sliding layers are rules there, not a second graph. The MoE variants
-(qwen3moe, olmoe) are to extend it the same way (an `ffn` kind in `FFNS`).
+post-norms, GELU FFN and sliding layers are rules there, not a second graph, and the MoE
+variants (qwen3moe, olmoe) are the "moe" kind of `FFNS`.
+
+That table is the reference's own. The engine keeps its rules in `formats/dense_archs.py`
+(`ArchRules`, `ARCHITECTURES`), and this module does not import them on purpose: an oracle that
+read the engine's rows would agree with a wrong one. The two tables are written apart and
+tests/test_dense_archs.py checks that they agree on every fact both hold; the llama.cpp tests
+(tests/test_dense_reference.py) check the reference's against llama.cpp.
 """
 
 from __future__ import annotations
@@ -43,21 +49,24 @@ class ArchRules:
     renormalise: bool = False        # MoE: top-k weights divided by their sum (qwen3moe, not olmoe)
     embedding_scale: bool = False    # x = embedding row · sqrt(d) (gemma3)
     post_norms: bool = False         # RMSNorm of the attention and FFN outputs before each residual add
+    expert_width_key: str | None = None  # MoE: one expert's width key when not feed_forward_length
     sliding_every: int = 0           # n > 0: layer il is global when il % n == n − 1, else sliding
     local_rope_base: float = 0.0     # the sliding layers' RoPE base (not in the file; §1)
+    d_query_scale_layers: int = 0    # n > 0: a model of n layers scales queries by 1/sqrt(d / n_head)
 
 
 ARCHITECTURES = {
     "llama": ArchRules(rope.ADJACENT),
     "qwen2": ArchRules(rope.NEOX, qkv_bias=True),
     "qwen3": ArchRules(rope.NEOX, qk_norm="head"),
-    "qwen3moe": ArchRules(rope.NEOX, qk_norm="head", ffn="moe", renormalise=True),
+    "qwen3moe": ArchRules(rope.NEOX, qk_norm="head", ffn="moe", renormalise=True,
+                          expert_width_key="expert_feed_forward_length"),
     "olmoe": ArchRules(rope.NEOX, qk_norm="full", ffn="moe"),
-    # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there.
+    # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there, and
+    # its 27B (62 layers) is the one Gemma 3 whose query scale is 1/sqrt(d / n_head).
     "gemma3": ArchRules(rope.NEOX, qk_norm="head", ffn="gelu", embedding_scale=True, post_norms=True,
-                        sliding_every=6, local_rope_base=10000.0),
+                        sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
 }
-GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose query scale is 1/sqrt(d / n_head) (§3)
 
 
 # ---------------------------------------------------------------------------------- §1 config
@@ -94,7 +103,7 @@ class DenseConfig:
     @property
     def attention_scale(self) -> float:
         """The query scale: 1/sqrt(key_length); the Gemma 3 27B uses 1/sqrt(d / n_head) (§3)."""
-        if self.arch == "gemma3" and self.n_layers == GEMMA3_27B_LAYERS:
+        if self.rules.d_query_scale_layers and self.n_layers == self.rules.d_query_scale_layers:
             return 1.0 / np.sqrt(self.d // self.n_head)
         return 1.0 / np.sqrt(self.head_dim)
 
@@ -170,7 +179,7 @@ def _moe_experts(w: GgufWeights, arch: str, key, bad) -> tuple[int, int, int]:
     used = int(key("expert_used_count", 0))
     if int(key("expert_count", n_expert)) != n_expert or not 0 < used <= n_expert:
         bad(f"expert_count {key('expert_count')} / expert_used_count {used} do not fit {n_expert} experts")
-    width_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    width_key = ARCHITECTURES[arch].expert_width_key or "feed_forward_length"
     if key(width_key) is not None and int(key(width_key)) != n_ff:
         bad(f"{width_key} {key(width_key)} != expert width {n_ff}")
     return n_expert, used, n_ff

@@ -1,0 +1,62 @@
+"""The dense GGUF architectures the engine serves, one row each (spec dense-gguf.md §1-§3).
+Pure Python.
+
+Everything the engine does differently per architecture is a field of `ArchRules`: the
+geometry's checks and tensor list (`formats/dense_geometry.py`), the GPU graph
+(`models/dense.py`) and the synthetic test files (`synth_gguf.py`) read the row of
+`ARCHITECTURES` and never test the architecture's name. Adding an architecture is one row here
+(plus its tests) as long as it needs no new kind of rule.
+
+The NumPy reference keeps its own table (`reference/dense.py`, `ArchRules` / `ARCHITECTURES`) on
+purpose: an oracle that imported this one would agree with a wrong row. The two are written
+independently and `tests/test_dense_archs.py` checks that they agree on every fact both hold;
+the llama.cpp parity tests check both against llama.cpp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROPE_SCALINGS = ("none", "linear")  # yarn, longrope, ... need kernels this engine lacks
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What one architecture changes in the §1 keys, the §2 tensors and the §3 graph."""
+
+    rope_style: str = "neox"          # "neox" pairs (x_j, x_{j+n/2}); "adjacent" pairs (x_2j, x_2j+1) (llama)
+    qk_norm: str | None = None        # "head": one [key_dim] RMSNorm weight shared by the heads (qwen3);
+                                      # "full": over the whole q / k row before the head split (olmoe)
+    qkv_bias: str | None = None       # attn_{q,k,v}.bias "required" (qwen2), "optional" (read when
+                                      # blk.0 has them: llama), or None (not part of the graph)
+    output_bias: bool = False         # output.bias [vocab] is read when the file has it (qwen2)
+    tied_head: bool = True            # the usual files have no output.weight (synth_gguf's default)
+    output_required: bool = False     # output.weight must be present: no tied head (olmoe)
+    rms_eps: float = 1e-6             # the usual files' layer_norm_rms_epsilon (synth_gguf's default)
+    gqa: bool = True                  # llama.cpp loads head_count_kv < head_count (its olmoe loader does not)
+    activation: str = "silu"          # the gated FFN's: "silu" or "gelu_tanh" (gemma3)
+    moe: bool = False                 # the FFN is routed experts (§2 ffn_*_exps, §3 MoE)
+    expert_width_key: str | None = None  # MoE: the key of one expert's width when it is not
+                                         # feed_forward_length (qwen3moe; default ff / used)
+    renormalise: bool = False         # MoE: the top-k weights divided by their sum (qwen3moe, not olmoe)
+    embedding_scale: bool = False     # x = embedding row · sqrt(d) (gemma3)
+    post_norms: bool = False          # RMSNorm of the attention and FFN outputs before each residual add
+    sliding_every: int = 0            # n > 0: layer il is global when il % n == n − 1, else sliding
+                                      # (attention.sliding_window wide)
+    local_rope_base: float = 0.0      # the sliding layers' RoPE base, unscaled (not in the file; §1)
+    d_query_scale_layers: int = 0     # a model of exactly this many layers scales queries by
+                                      # 1/sqrt(d / n_head), not 1/sqrt(key_length) (Gemma 3 27B, §3)
+    rope_scalings: tuple = ROPE_SCALINGS  # the rope.scaling.type values accepted
+
+
+ARCHITECTURES = {
+    "llama": ArchRules(rope_style="adjacent", qkv_bias="optional", rms_eps=1e-5),
+    "qwen2": ArchRules(qkv_bias="required", output_bias=True, tied_head=False),
+    "qwen3": ArchRules(qk_norm="head"),
+    "qwen3moe": ArchRules(qk_norm="head", moe=True, expert_width_key="expert_feed_forward_length",
+                          renormalise=True),
+    "olmoe": ArchRules(qk_norm="full", tied_head=False, output_required=True, gqa=False, moe=True),
+    # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there.
+    "gemma3": ArchRules(qk_norm="head", activation="gelu_tanh", embedding_scale=True, post_norms=True,
+                        sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
+}
