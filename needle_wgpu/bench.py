@@ -17,7 +17,8 @@ def _counters(device) -> tuple:
 
 
 def run_benchmark(args) -> dict:
-    from .cli import Progress, default_model
+    from .cli import Progress
+    from .default_model import default_model
     from . import load
     from .sampling import Sampling, clamp_count
 
@@ -292,7 +293,8 @@ def run_constrained_benchmark(args) -> dict:
     warm cache) and decode tok/s both ways. Needle 3 decodes its tool-call grammar; a family
     without one (the dense GGUF models) a JSON-schema response. After each EOS a fresh answer
     begins in the same session, so both runs step over the same positions."""
-    from .cli import Progress, default_model
+    from .cli import Progress
+    from .default_model import default_model
     from . import load
     from .grammar import compile_schema
     from .sampling import Sampling, clamp_count

