@@ -16,6 +16,7 @@ import enum
 import json
 from dataclasses import dataclass, field
 
+from .chat.tools import call_arguments, tool_function
 from .errors import ContextFullError, InputError
 from .inputs import checked, checked_methods, flag
 from .sampling import clamp_count
@@ -148,7 +149,7 @@ class Agent:
             calls, reasoning, problems = completion.tool_calls, completion.thinking, list(completion.problems)
         else:  # the conversation read the calls with the template's tool-call parser
             text, reasoning, problems = reply["content"], None, list(stats.notices)
-            calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
+            calls = [{"name": c["function"]["name"], "arguments": call_arguments(c["function"]["arguments"])}
                      for c in reply.get("tool_calls", ())]
         return {"text": text, "calls": calls, "results": [], "reasoning": reasoning, "problems": problems,
                 "stats": stats}
@@ -202,7 +203,7 @@ def _tools(tools) -> dict:
     out = {}
     for i, entry in enumerate(tools):
         if isinstance(entry, dict):
-            entry = dict(entry.get("function", entry)) if entry.get("type") == "function" else dict(entry)
+            entry = dict(tool_function(entry))
             name = entry.get("name")
             if not isinstance(name, str) or not name:
                 raise InputError(f"tools[{i}]: a tool schema needs a 'name'")
@@ -225,11 +226,3 @@ def _decoded(tokenizer, ids) -> str:
     decoder = tokenizer.stream_decoder(at_text_start=False)
     return "".join(decoder.push(i) for i in ids) + decoder.finish()
 
-
-def _arguments(arguments):
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments  # Tool.invoke reports arguments that are not an object
-    return arguments

@@ -23,7 +23,7 @@ from .gpu.device import Device
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
                      optional_text, stop_strings)
 from .logprobs import probability_of_logit, saturate_top_logprobs
-from .prompt import Completion
+from .chat.tools import Completion, tools_json
 from .sampling import Sampling, clamp_budget, saturate_ids
 
 
@@ -396,9 +396,7 @@ class Model:
 
 
 def compact_key(tools) -> str:
-    from .prompt import compact_tools_json
-
-    return compact_tools_json(tools)
+    return tools_json(tools)
 
 
 # generate's options: stream's keywords except ``result`` (generate returns its own).

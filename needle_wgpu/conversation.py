@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import ContextFullError, InputError, UnsupportedModelError
-from .chat.template import check_messages, check_tools
+from .chat.template import check_messages
+from .chat.tools import check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
 from .formats.cact import CONFIDENCE_HEAD
 from .generation import Decoded, Steps, decode

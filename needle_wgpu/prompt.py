@@ -16,9 +16,10 @@ ever raising: a model can emit anything, and the caller decides what a problem m
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 from .chat.tool_calls import ToolCallFormat
+from .chat.tools import Completion, call_arguments, json_kind, tool_name, tools_json
+from .chat.tools import tools_json as compact_tools_json  # the name §9's tests use
 from .errors import InputError
 from .inputs import as_text, checked
 
@@ -34,44 +35,6 @@ EOS_TEXT = "</s>"
 
 
 @checked
-def compact_tools_json(tools) -> str:
-    """Tools as compact JSON: ``separators=(",", ":")``, ``ensure_ascii=False``, key order kept.
-
-    ``tools`` is a JSON string or a Python list (a single dict is wrapped in a list, since the
-    model saw lists of tools in training). Pretty-printed JSON changes the model's decisions
-    (§9), so a string is parsed and re-serialised; numbers come out as Python writes them
-    (``1e5`` becomes ``100000.0``). Raises ``InputError`` for invalid JSON (with its position)
-    or a top level that is not a list or object.
-    """
-    if tools is None:
-        return "[]"
-    if isinstance(tools, (bytes, bytearray)):
-        tools = bytes(tools).decode("utf-8", "replace")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"tools: invalid JSON at line {exc.lineno} column {exc.colno} "
-                             f"(character {exc.pos}): {exc.msg}") from None
-        except (RecursionError, ValueError) as exc:
-            raise InputError(f"tools: JSON cannot be read ({type(exc).__name__})") from None
-    if isinstance(tools, dict):
-        tools = [tools]
-    if not isinstance(tools, (list, tuple)):
-        raise InputError(f"tools: expected a JSON array of tool objects, got {_json_kind(tools)}")
-    try:
-        return json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InputError(f"tools: not serialisable as JSON ({exc})") from None
-
-
-def _json_kind(value) -> str:
-    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number",
-             type(None): "null"}
-    return names.get(type(value), f"a {type(value).__name__}")
-
-
-@checked
 def build_prompt(query: str, tools=None, system: str | None = None) -> str:
     """The §9 prompt text. ``tools=None`` means no tools (``[]``).
 
@@ -81,7 +44,7 @@ def build_prompt(query: str, tools=None, system: str | None = None) -> str:
     """
     query, system = as_text(query, "query"), as_text(system, "system").strip()
     prefix = f"{IM_START}system\n{system}{IM_END}\n" if system else ""
-    return (f"{prefix}{IM_START}user\n{TOOLS_START}{compact_tools_json(tools)}{TOOLS_END}\n"
+    return (f"{prefix}{IM_START}user\n{TOOLS_START}{tools_json(tools)}{TOOLS_END}\n"
             f"{query}{IM_END}\n{IM_START}assistant\n")
 
 
@@ -91,22 +54,6 @@ def prompt_ids(tokenizer, query: str, tools=None, system: str | None = None) -> 
 
 
 # ----------------------------------------------------------------------------- the completion
-
-
-@dataclass
-class Completion:
-    """A parsed completion.
-
-    ``tool_calls`` holds the calls that normalised to ``{"name": str, "arguments": dict}``;
-    it is None when no ``<tool_call>`` JSON array could be read. ``abstained`` is True only
-    when the model emitted exactly ``[]``. Everything unexpected is described in ``problems``.
-    """
-
-    thinking: str | None
-    tool_calls: list | None
-    raw: str
-    problems: list = field(default_factory=list)
-    abstained: bool = False
 
 
 @checked
@@ -196,7 +143,7 @@ def _read_calls(body: str, problems: list) -> tuple:
         problems.append("tool call JSON is an object, not a list; read as one call")
         value = [value]
     if not isinstance(value, list):
-        problems.append(f"tool call JSON is {_json_kind(value)}, not a list")
+        problems.append(f"tool call JSON is {json_kind(value)}, not a list")
         return None, False
     calls = []
     for i, item in enumerate(value):
@@ -208,7 +155,7 @@ def _read_calls(body: str, problems: list) -> tuple:
 
 def _normalise_call(i: int, item, problems: list) -> dict | None:
     if not isinstance(item, dict):
-        problems.append(f"call {i} is {_json_kind(item)}, not an object; dropped")
+        problems.append(f"call {i} is {json_kind(item)}, not an object; dropped")
         return None
     name = item.get("name")
     if not isinstance(name, str) or not name:
@@ -220,16 +167,13 @@ def _normalise_call(i: int, item, problems: list) -> dict | None:
         arguments = {}
     elif isinstance(arguments, str):
         # Some outputs carry the arguments as a JSON string, as OpenAI-style APIs do.
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            arguments = None
+        arguments = call_arguments(arguments)
         if not isinstance(arguments, dict):
             problems.append(f"call {i} ({name}) has arguments that are not an object; dropped")
             return None
         problems.append(f"call {i} ({name}) had its arguments as a JSON string; decoded")
     elif not isinstance(arguments, dict):
-        kind = _json_kind(arguments)
+        kind = json_kind(arguments)
         problems.append(f"call {i} ({name}) has arguments that are {kind}; dropped")
         return None
     extra = sorted(str(k) for k in item if k not in ("name", "arguments"))
@@ -252,13 +196,8 @@ def _required_grammar(tools, names=None) -> list:
     """A §9 answer of at least one call (to one of ``names`` when given)."""
     from .grammar.tool_calls import tool_call_grammar
 
-    chosen = [t for t in json.loads(compact_tools_json(tools)) if names is None or _tool_name(t) in names]
+    chosen = [t for t in json.loads(tools_json(tools)) if names is None or tool_name(t) in names]
     return tool_call_grammar(chosen, min_calls=1)
-
-
-def _tool_name(tool) -> str | None:
-    function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
-    return function.get("name") if isinstance(function, dict) else None
 
 
 # Needle 3's calls (§9): one JSON array in one <tool_call> block.
@@ -285,7 +224,7 @@ class Needle3Chat:
         then ``<|im_end|>\n``. The prompt ends ``<|im_start|>assistant\n`` unless the last
         message is the assistant's. For [system,] user this is ``prompt_ids``, id for id.
         """
-        tools_json = compact_tools_json(tools)
+        shown_tools = tools_json(tools)
         ids = [tokenizer.bos_id]
         text = ""  # rendered text not yet encoded
         spliced = False  # ids were spliced in: later text starts at a marker, without a dummy prefix
@@ -297,7 +236,7 @@ class Needle3Chat:
                 system = content.strip()
                 text += f"{IM_START}system\n{system}{IM_END}\n" if system else ""
             elif role == "user":
-                text += f"{IM_START}user\n{TOOLS_START}{tools_json}{TOOLS_END}\n{content}{IM_END}\n"
+                text += f"{IM_START}user\n{TOOLS_START}{shown_tools}{TOOLS_END}\n{content}{IM_END}\n"
             elif role == "tool":
                 opens = i == 0 or messages[i - 1]["role"] != "tool"
                 closes = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
@@ -357,12 +296,7 @@ def _calls_text(calls) -> str:
     answer = []
     for call in calls:
         function = call.get("function", call)
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
+        arguments = call_arguments(function.get("arguments", {}))
         answer.append({"name": function.get("name"), "arguments": arguments})
     return TOOL_CALL_START + json.dumps(answer, separators=(",", ":"), ensure_ascii=False) + TOOL_CALL_END
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from ..errors import InputError, UnsupportedModelError
 from ..generation import openai_finish_reason
 from ..inputs import flag, stop_strings
-from .template import check_messages, check_tools
+from .template import check_messages
+from .tools import check_tools, tool_name
 
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_REQUIRED_CALLS = 4  # tool_choice "required": 1 .. this many calls in one reply
@@ -49,7 +50,7 @@ def check_tool_choice(tool_choice, tools) -> tuple:
     """(kind, names): kind "none", "auto", "required" or "function" (names: the one allowed)."""
     if tool_choice is None:
         tool_choice = "auto"
-    names = [_tool_name(t) for t in tools or ()]
+    names = [tool_name(t) for t in tools or ()]
     if isinstance(tool_choice, str):
         if tool_choice not in TOOL_CHOICES:
             raise InputError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
@@ -66,12 +67,6 @@ def check_tool_choice(tool_choice, tools) -> tuple:
         raise InputError(f"tool_choice names the function {name!r}, which is not among the tools "
                          f"({', '.join(repr(n) for n in names if n) or 'none given'})")
     return "function", [name]
-
-
-def _tool_name(tool) -> str | None:
-    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    name = function.get("name")
-    return name if isinstance(name, str) else None
 
 
 def check_response_format(response_format) -> tuple:

@@ -4,8 +4,8 @@ requests (§5.5, ``template.py``), stops at EOS and the end-of-generation tokens
 
 from __future__ import annotations
 
-from ..prompt import Completion
-from .template import ChatTemplate, check_tools
+from .template import ChatTemplate
+from .tools import Completion, call_arguments, check_tools
 from .tool_calls import TAGGED, parse_reply
 
 
@@ -54,12 +54,7 @@ class DenseChat:
     def parse(text):
         """Tool calls of an answer as a ``Completion`` (``tool_calls`` as name + arguments)."""
         reply = parse_reply(text)
-        calls = [{"name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"])}
+        calls = [{"name": c["function"]["name"], "arguments": call_arguments(c["function"]["arguments"])}
                  for c in reply.tool_calls]
         return Completion(None, calls if calls else None, str(text), reply.problems)
 
-
-def _loads(text):
-    import json
-
-    return json.loads(text)

@@ -20,6 +20,7 @@ from datetime import datetime
 
 from ..errors import InputError
 from ..inputs import as_text
+from .tools import call_arguments, check_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -63,30 +64,9 @@ def _template_call(i: int, call) -> dict:
     function = call.get("function", call)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InputError(f"messages[{i}].tool_calls: each call needs function.name")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass  # a template shows a string as it is
+    arguments = call_arguments(function.get("arguments", {}))  # a string that is not JSON shows as it is
     return {"id": call.get("id"), "type": "function",
             "function": {"name": function["name"], "arguments": arguments}}
-
-
-def check_tools(tools) -> list | None:
-    """Tools as a list of objects (a JSON string is parsed; one object becomes a list)."""
-    if tools is None:
-        return None
-    if isinstance(tools, (str, bytes, bytearray)):
-        try:
-            tools = json.loads(tools)
-        except (ValueError, RecursionError) as exc:
-            raise InputError(f"tools: invalid JSON ({exc})") from None
-    if isinstance(tools, dict):
-        tools = [tools]
-    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-        raise InputError("tools must be a list of tool objects")
-    return list(tools)
 
 
 # ------------------------------------------------------------------------------ ChatML

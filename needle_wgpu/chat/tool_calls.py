@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..formats.stream_decoder import partial_tail
+from .tools import call_arguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
@@ -65,13 +66,10 @@ def _calls_of(value, problems: list, where: str) -> list | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
             problems.append(f"{where}: not a call object with a 'name'")
             return None
-        arguments = item.get("arguments", item.get("parameters", {}))
+        arguments = call_arguments(item.get("arguments", item.get("parameters", {})))
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                problems.append(f"{where}: arguments of {item['name']!r} are not JSON")
-                return None
+            problems.append(f"{where}: arguments of {item['name']!r} are not JSON")
+            return None
         if not isinstance(arguments, dict):
             problems.append(f"{where}: arguments of {item['name']!r} are not an object")
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from ..chat.tools import tool_function, tools_json
 from .automaton import Choice, FreeText, GrammarError, JsonArray, Sequence
 from .schema import Limits, SchemaCompiler
 
@@ -18,12 +19,9 @@ TOOL_CALL_START, TOOL_CALL_END = b"<tool_call>", b"</tool_call>"
 def tool_definitions(tools) -> list:
     """(name, parameters schema) of each tool: ``{"name", "parameters"}`` or the OpenAI form
     ``{"type": "function", "function": {...}}``; parameters default to an empty object."""
-    from ..prompt import compact_tools_json
-
     out = []
-    for i, tool in enumerate(json.loads(compact_tools_json(tools))):
-        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
-            tool = tool["function"]
+    for i, tool in enumerate(json.loads(tools_json(tools))):
+        tool = tool_function(tool)
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise GrammarError(f"tools: tool {i} has no name")
         parameters = tool.get("parameters", {"type": "object", "properties": {}})
