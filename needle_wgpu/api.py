@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from .generation import Decoded, Steps, TokenEvent, decode
+from .generation import Decoded, Steps, TokenEvent, decode  # noqa: F401  TokenEvent: part of this surface
 from .formats.cact import CONFIDENCE_HEAD
 from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
 from .gpu.device import Device
@@ -314,13 +314,13 @@ class Model:
              temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
              frequency_penalty=0.0, penalty_last_n=None, logit_bias=None, stop=(), seed=0, logprobs=False,
              top_logprobs=0, kv=None, context=None):
-        """An OpenAI-style chat completion of ``messages`` (``chat/completion.py``): a
+        """An OpenAI-style chat completion of ``messages`` (``openai.py``): a
         ``chat.completion`` dict (``choices[0].message`` with ``content`` and ``tool_calls``,
         ``finish_reason`` stop/length/tool_calls, ``usage``), or with ``stream=True`` an
         iterator of ``chat.completion.chunk`` dicts ending with one that carries ``usage``.
         ``tool_choice`` "required" or a named function and ``response_format`` JSON constrain
         the reply to the format (docs/api.md)."""
-        from .chat.completion import chat_completion
+        from .openai import chat_completion
 
         return chat_completion(self, messages, tools, tool_choice=tool_choice, response_format=response_format,
                                stream=stream, max_tokens=max_tokens, temperature=temperature, top_p=top_p,

@@ -279,9 +279,3 @@ class Conversation:
         stats.reused, stats.prefilled = same, len(ids) - same
         return session
 
-
-def chat_completion(model, messages, tools=None, **options):
-    """``Model.chat``: an OpenAI-style chat completion (``chat/completion.py``)."""
-    from .chat.completion import chat_completion as complete
-
-    return complete(model, messages, tools, **options)

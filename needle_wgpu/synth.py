@@ -16,12 +16,8 @@ do not promise identical low-order bits across builds).
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import numpy as np
 
-from .errors import NeedleError
 from .formats.cact_writer import Record, write_cact
 from .formats.geometry import Needle3Geometry
 from .formats.tokenizer import synthetic_tokenizer_blob
@@ -233,29 +229,3 @@ def synthesize(geometry, seed: int, heads: bool = True) -> bytes:
     """A seeded synthetic Needle 3 ``.cact`` v3 file (bytes); the same seed gives the same bytes."""
     g, records = synthesize_records(geometry, seed, heads)
     return write_cact(g, records)
-
-
-def synth_main(argv: list) -> int:
-    """``synth --geometry {tiny,small,shipped} --seed N -o FILE.cact``; returns an exit status.
-    The seed saturates as a sampling seed does (-1 -> 2^32 - 1, NaN -> 0)."""
-    parser = argparse.ArgumentParser(prog="needle-wgpu synth",
-                                     description="Write a seeded random Needle 3 .cact v3 model.")
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
-    parser.add_argument("--seed", type=saturate_seed, default=0)
-    parser.add_argument("--no-heads", action="store_true", help="omit the confidence probe head")
-    parser.add_argument("-o", "--output", required=True, help="path of the .cact file to write")
-    from .cli import join_option_values
-
-    try:
-        args = parser.parse_args(join_option_values(parser, argv))
-    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
-        return int(exit_request.code or 0)
-    try:
-        data = synthesize(args.geometry, args.seed, heads=not args.no_heads)
-        with open(args.output, "wb") as f:
-            f.write(data)
-    except (OSError, NeedleError) as exc:
-        print(f"needle-wgpu synth: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.output}: {args.geometry} geometry, seed {args.seed}, {len(data):,} bytes")
-    return 0

@@ -13,7 +13,8 @@ from needle_wgpu.formats.cact_writer import (Record, blob_offsets, canon_slots, 
                                              rewrite_cact, write_cact)
 from needle_wgpu.formats.cq_codec import (LLOYD_MAX_CODEBOOK, cq_decode, cq_decode_tensor, cq_encode, fwht,
                                           levels_for, nearest_level, pack_codes, unpack_codes)
-from needle_wgpu.synth import GEOMETRIES, hada_permutations, synth_main, synthesize, synthesize_records
+from needle_wgpu.cli.synth import synth_main
+from needle_wgpu.synth import GEOMETRIES, hada_permutations, synthesize, synthesize_records
 
 TINY_FIXTURE_BYTES = 573_104
 

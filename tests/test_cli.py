@@ -62,7 +62,7 @@ def test_synth_seed_saturates(tmp_path, capsys):
 
 
 def test_bench_checks_its_json_path_before_running(tmp_path, capsys, monkeypatch):
-    from needle_wgpu import bench
+    from needle_wgpu.cli import bench
 
     ran = []
     monkeypatch.setattr(bench, "run_benchmark", lambda args: ran.append(args))
@@ -199,7 +199,7 @@ def test_generate_and_chat_take_the_sampling_options(tmp_path, capsys, monkeypat
     for bad in ("{", "[1, 2]"):
         assert cli.main(["generate", path, "--prompt", "hi", "--logit-bias", bad, "--quiet"]) == 2
         assert "needle-wgpu: logit_bias:" in capsys.readouterr().err
-    from needle_wgpu import chat_cli
+    from needle_wgpu.cli import chat as chat_cli
 
     args = cli.build_parser().parse_args(["chat", path, "--min-p", "0.2", "--logit-bias", '{"3": 1}'])
     options = chat_cli._options(args)

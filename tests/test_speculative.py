@@ -125,7 +125,7 @@ def test_speculative_option(bad, error):
 
 
 def test_bench_pairs():
-    from needle_wgpu.bench import speculative_pairs
+    from needle_wgpu.cli.bench import speculative_pairs
 
     assert speculative_pairs(["2,4", "10,2"], 20) == [(2, 4), (10, 2)]
     assert speculative_pairs([], 20) == [(d, k) for d in (2, 5, 10) for k in (3, 7)]

@@ -189,7 +189,7 @@ def test_bench_speculative_defaults_draft_below_the_depth_it_runs_at(device):
     """``bench --depth N --speculative``: the default pairs come from the depth the model runs
     at, not the file's own layer count (the 4-layer fixture's default draft, depth 2, is below
     its 3-block rung and is no draft at all for its 2-block one)."""
-    from needle_wgpu.bench import _speculative_speeds
+    from needle_wgpu.cli.bench import _speculative_speeds
 
     for depth, drafts in ((3, {2}), (2, set())):
         model = needle_wgpu.load(upstream_file("small"), device=device, depth=depth)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import sys
 
-from .errors import ContextFullError
+from ..errors import ContextFullError
 
 HELP = "commands: /reset, /system TEXT, /quit"
 
 
 def _options(args) -> dict:
-    from .cli import sampling_keywords
+    from .options import sampling_keywords
 
     options = sampling_keywords(args)
     if getattr(args, "constraint", None) is not None:  # --json-schema: every reply under its grammar
@@ -40,7 +40,7 @@ def _turn_json(reply: dict, stats) -> dict:
 
 
 def run_chat(args, model) -> int:
-    from .cli import _writes_utf8
+    from .options import writes_utf8
 
     conversation = model.conversation(args.system, tools=args.tools, context=args.context, kv=args.kv)
     note = model.chat_format.template.note if model.chat_format.template is not None else None
@@ -56,7 +56,7 @@ def run_chat(args, model) -> int:
                 else:
                     _answer(conversation, message, args)
             if args.json:
-                print(json.dumps({"turns": turns}, ensure_ascii=not _writes_utf8(sys.stdout)))
+                print(json.dumps({"turns": turns}, ensure_ascii=not writes_utf8(sys.stdout)))
             return 0
         return _interactive(conversation, args)
     finally:

@@ -15,33 +15,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .default_model import default_model
-from .errors import InputError, NeedleError
+from ..default_model import default_model
+from ..errors import InputError, NeedleError
+from .options import Progress, add_sampling_options, join_option_values, sampling_keywords, writes_utf8
 
 DEFAULT_QUERY = "What's the weather in Paris?"
 DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a city",'
                  '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}]')
 
 
-class Progress:
-    """A one-line progress bar on stderr for loading and compiling."""
-
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet or not sys.stderr.isatty()
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if self.quiet or total <= 0:
-            return
-        width = 30
-        filled = width * done // total
-        sys.stderr.write(f"\r{stage:>10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def _load(path, progress, numerics="float", depth=None):
-    from . import load
+    from .. import load
 
     return load(path, progress=progress, numerics=numerics, depth=depth)
 
@@ -57,8 +41,7 @@ def read_json_schema(path) -> tuple:
     """``--json-schema FILE``: (the schema, its grammar's nodes), compiled before the model
     loads. A file that cannot be read, is not JSON or is outside the schema subset is a
     ``NeedleError`` (one line, exit status 2)."""
-    from .errors import InputError
-    from .grammar import GrammarError, compile_schema
+    from ..grammar import GrammarError, compile_schema
 
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -100,7 +83,7 @@ def cmd_generate(args) -> int:
         request = dict(prompt=args.prompt)
     else:
         request = dict(query=args.query or DEFAULT_QUERY, tools=args.tools or DEFAULT_TOOLS)
-    from .engine import GenerationResult
+    from ..engine import GenerationResult
 
     result = GenerationResult("", [], "empty", 0)
     for event in model.stream(**request, result=result, **options):
@@ -109,12 +92,12 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
     completion = model.chat_format.parse(result.text) if "query" in request else None
     if args.json:
-        print(json.dumps(_result_json(result, completion), ensure_ascii=not _writes_utf8(sys.stdout)))
+        print(json.dumps(_result_json(result, completion), ensure_ascii=not writes_utf8(sys.stdout)))
         return 0
     sys.stdout.write("\n")
     if completion is not None:
         calls = {"tool_calls": completion.tool_calls, "problems": completion.problems}
-        print(json.dumps(calls, ensure_ascii=not _writes_utf8(sys.stdout)))
+        print(json.dumps(calls, ensure_ascii=not writes_utf8(sys.stdout)))
     print(f"[{len(result.ids)} tokens, finish: {result.finish_reason}, prompt {result.prompt_tokens} tokens, "
           f"first token {result.time_to_first_token_s * 1000:.0f} ms, prefill {result.prefill_tokens_per_s:.1f} tok/s, "
           f"decode {result.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
@@ -166,7 +149,7 @@ def cmd_heads(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .chat_cli import run_chat
+    from .chat import run_chat
 
     schema = read_json_schema(args.json_schema) if args.json_schema else None
     model = _load(_path_of(args), Progress(args.quiet))
@@ -175,7 +158,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .families import describe
+    from ..families import describe
 
     described = describe(args.model, context=args.context) if args.depth is None else \
         describe(args.model, context=args.context, depth=args.depth)
@@ -214,8 +197,8 @@ def cmd_bench(args) -> int:
 def cmd_verdict(args) -> int:
     """Spec dense-gguf §7 over a battery: one line per prompt, then a summary. Exit status 3
     when any prompt is Structured (1 stays "output could not be written")."""
-    from . import verdict
-    from .sampling import clamp_count
+    from .. import verdict
+    from ..sampling import clamp_count
 
     prompts = verdict.read_battery(args.prompts)
     prompts = prompts[: clamp_count(args.limit, 0, len(prompts), len(prompts))]
@@ -260,39 +243,6 @@ def _path_of(args) -> Path:
     return Path(args.model) if args.model else default_model(lambda m: print(m, file=sys.stderr))
 
 
-def _sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    """The sampling options of generate and chat: read as floats, saturated as docs/api.md says."""
-    parser.add_argument("--max-tokens", type=float, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=float, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=float, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--penalty-last-n", type=float, default=64, help="positions the penalties look at "
-                        "(-1: the whole context, 0: off)")
-    parser.add_argument("--logit-bias", default=None, help='JSON object {"token id": bias}, bias in [-100, 100]')
-
-
-def sampling_keywords(args) -> dict:
-    """What ``_sampling_options`` declared, as ``Model.stream``/``Conversation.stream`` keywords;
-    --logit-bias that is not a JSON object is an ``InputError``."""
-    bias = None
-    if args.logit_bias is not None:
-        try:
-            bias = json.loads(args.logit_bias)
-        except ValueError as error:
-            raise InputError(f"logit_bias: invalid JSON ({error})") from None
-        if not isinstance(bias, dict):
-            raise InputError("logit_bias: expected a JSON object {\"token id\": bias}")
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                penalty_last_n=args.penalty_last_n, logit_bias=bias)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="needle-wgpu", description="needle-wgpu: WebGPU inference for small language models (dense GGUF files such as SmolLM2, and Needle 3 .cact files), all math in WGSL")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -302,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="free text prompt")
     gen.add_argument("--tools", help="tools JSON (tool-calling prompt)")
     gen.add_argument("--query", help="user query (tool-calling prompt)")
-    _sampling_options(gen, max_tokens=64)
+    add_sampling_options(gen, max_tokens=64)
     gen.add_argument("--logprobs", type=float, default=None, metavar="N",
                      help="with --json: each token's logprob and its N (0 to 20) most likely alternatives")
     gen.add_argument("--kv", choices=("f32", "int8", "f16", "cq2", "cq3", "cq4"), default=None,
@@ -328,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system message (default: the template's own, if any)")
     chat.add_argument("--tools", help="tools JSON, passed to the chat template")
     chat.add_argument("--json-schema", metavar="FILE", help="every reply is JSON matching this schema")
-    _sampling_options(chat, max_tokens=256)
+    add_sampling_options(chat, max_tokens=256)
     chat.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache precision")
     chat.add_argument("--context", type=float, default=None, help="context length (default 4096 positions)")
     chat.add_argument("--json", action="store_true", help="with --message: print the turns as one JSON object")
@@ -389,36 +339,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def join_option_values(parser: argparse.ArgumentParser, argv: list) -> list:
-    """argparse takes ``-inf`` or ``-1e5`` after an option for another option ("expected one
-    argument"). A token that follows an option taking a value, starts with one '-' and is no
-    option of the parser is that option's value: join them (``--seed=-inf``)."""
-    takes_value, known = set(), set()
-    parsers = [parser]
-    while parsers:
-        current = parsers.pop()
-        for action in current._actions:  # argparse has no public view of its options
-            known.update(action.option_strings)
-            if action.option_strings and action.nargs is None:
-                takes_value.update(action.option_strings)
-            if isinstance(action, argparse._SubParsersAction):
-                parsers.extend(action.choices.values())
-    out, i = [], 0
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            return out + argv[i:]
-        following = argv[i + 1] if i + 1 < len(argv) else None
-        if (token in takes_value and following is not None and following.startswith("-")
-                and not following.startswith("--") and following != "-" and following not in known):
-            out.append(f"{token}={following}")
-            i += 2
-            continue
-        out.append(token)
-        i += 1
-    return out
-
-
 def private_runtime_dir() -> None:
     """Vulkan drivers (Mesa's lavapipe) print "XDG_RUNTIME_DIR is invalid or not set" twice
     when the process has none: give it a private one (mode 0700) before any GPU is opened."""
@@ -439,10 +359,6 @@ def private_runtime_dir() -> None:
         os.environ["XDG_RUNTIME_DIR"] = path if private else tempfile.mkdtemp(prefix="needle-wgpu-runtime-")
     except OSError:
         pass
-
-
-def _writes_utf8(stream) -> bool:
-    return (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "") == "utf8"
 
 
 def _prepare_streams() -> None:

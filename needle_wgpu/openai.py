@@ -11,23 +11,24 @@ dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts.
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 import uuid
 from dataclasses import dataclass
 
-from ..errors import InputError, UnsupportedModelError
-from ..generation import openai_finish_reason
-from ..inputs import flag, stop_strings
-from .template import check_messages
-from .tools import check_tools, tool_name
+from .chat.template import check_messages
+from .chat.tools import check_tools, tool_name
+from .conversation import Conversation
+from .errors import InputError, UnsupportedModelError
+from .generation import openai_finish_reason
+from .grammar.tagged_calls import reply_grammar
+from .inputs import flag, stop_strings
 
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_REQUIRED_CALLS = 4  # tool_choice "required": 1 .. this many calls in one reply
 
 # Sampling options forwarded to Conversation.stream only when the caller changed them from
-# these defaults (the sampling extras: a build without them refuses a non-default value).
+# these defaults.
 SAMPLING_EXTRAS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                    "penalty_last_n": None, "logit_bias": None, "logprobs": False, "top_logprobs": 0}
 
@@ -118,17 +119,13 @@ def reply_shape(model, tools, tool_choice, response_format) -> ReplyShape:
 
 def sampling_options(options: dict) -> dict:
     """The sampling keywords for Conversation.stream: the standard ones as given, an extra
-    only when it differs from its default (``SAMPLING_EXTRAS``)."""
-    from ..conversation import Conversation
-
-    accepted = inspect.signature(Conversation.stream).parameters
+    only when it differs from its default (``SAMPLING_EXTRAS``: ``penalty_last_n=None`` leaves
+    the conversation's own default)."""
     out = {}
     for name, value in options.items():
-        if name in SAMPLING_EXTRAS:
-            if value is None or value is SAMPLING_EXTRAS[name] or _same(value, SAMPLING_EXTRAS[name]):
-                continue
-            if name not in accepted:
-                raise InputError(f"{name} is not supported by this build of needle-wgpu")
+        if name in SAMPLING_EXTRAS and (value is None or value is SAMPLING_EXTRAS[name]
+                                        or _same(value, SAMPLING_EXTRAS[name])):
+            continue
         out[name] = value
     return out
 
@@ -146,8 +143,6 @@ def _same(value, default) -> bool:
 def chat_completion(model, messages, tools=None, *, tool_choice="auto", response_format=None, stream=False,
                     context=None, kv=None, **options):
     """A ``chat.completion`` dict, or with ``stream`` an iterator of chunk dicts."""
-    from ..conversation import Conversation
-
     messages, tools = check_messages(messages), check_tools(tools)
     if not messages or messages[-1]["role"] == "assistant":
         raise InputError("messages must end with a user or tool message")
@@ -156,8 +151,6 @@ def chat_completion(model, messages, tools=None, *, tool_choice="auto", response
     stop_strings(options.get("stop", ()))  # checked now, not at the stream's first chunk
     constraint, notices = None, []
     if shape.grammar is not None:
-        from ..grammar.tagged_calls import reply_grammar
-
         constraint = model.constraint(shape.grammar_key, lambda: reply_grammar(**shape.grammar))
         if stop_strings(options.get("stop", ())):  # a stop string could cut the document
             options["stop"] = ()
