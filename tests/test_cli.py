@@ -116,7 +116,7 @@ TOOL_CALL_SCRIPT = """
 import sys
 from needle_wgpu import cli
 from needle_wgpu.engine import TokenEvent
-from needle_wgpu.prompt import Needle3Chat
+from needle_wgpu.chat.needle3 import Needle3Chat
 
 class Model:  # answers one tool call whose name holds a lone surrogate
     chat_format = Needle3Chat()

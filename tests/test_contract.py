@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from needle_wgpu.formats.cact import CONFIDENCE_HEAD
 from needle_wgpu.models.protocols import Capabilities
-from needle_wgpu import cli, errors, prompt
+from needle_wgpu import cli, errors
+from needle_wgpu.chat import needle3 as prompt
 from needle_wgpu.engine import GenerationResult, Needle3
 from needle_wgpu.errors import (ContainerError, ContextFullError, DeviceError, DeviceLimitError, DeviceLostError,
                                 InputError, NeedleError, OutOfMemoryError, UnsupportedModelError)
@@ -28,7 +29,7 @@ from needle_wgpu.formats.tokenizer import Tokenizer, synthetic_tokenizer
 from needle_wgpu.inputs import real_number, whole_number
 from needle_wgpu.models.session import clamp_context
 from needle_wgpu.sampling import U32_MAX, Sampling, as_u32, clamp_budget, clamp_count, saturate_ids, saturate_seed
-from needle_wgpu.prompt import Needle3Chat
+from needle_wgpu.chat.needle3 import Needle3Chat
 from needle_wgpu.synth import GEOMETRIES, synthesize
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

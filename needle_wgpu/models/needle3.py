@@ -19,7 +19,7 @@ from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_o
 from ..kernels import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.params import Fp16Store, permutation_words
-from ..prompt import Needle3Chat
+from ..chat.needle3 import Needle3Chat
 from .needle3_support import check_supported, widest_row_bytes
 from .ladder import Rung, full_rung, rung
 from .protocols import Capabilities

@@ -31,7 +31,7 @@ from needle_wgpu.errors import (DeviceLimitError, DeviceLostError, InputError, N
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import KernelKey, open_device
 from needle_wgpu.models.session import PlanKey
-from needle_wgpu.prompt import build_prompt, compact_tools_json, parse_completion
+from needle_wgpu.chat.needle3 import build_prompt, compact_tools_json, parse_completion
 from needle_wgpu.sampling import U32_MAX, Sampling, clamp_budget, saturate_ids
 from needle_wgpu.synth import synthesize
 

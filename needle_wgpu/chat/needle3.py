@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 
-from .chat.tool_calls import ToolCallFormat
-from .chat.tools import Completion, call_arguments, json_kind, tool_name, tools_json
-from .chat.tools import tools_json as compact_tools_json  # the name §9's tests use
-from .errors import InputError
-from .inputs import as_text, checked
+from .tool_calls import ToolCallFormat
+from .tools import Completion, call_arguments, json_kind, tool_name, tools_json
+from .tools import tools_json as compact_tools_json  # noqa: F401  (§9's name for the tools' JSON)
+from ..grammar.tool_calls import tool_call_grammar
+from ..inputs import as_text, checked
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_START, THINK_END = "<think>", "</think>"
@@ -187,15 +187,11 @@ def _normalise_call(i: int, item, problems: list) -> dict | None:
 
 def _answer_grammar(tools) -> list:
     """The grammar of a §9 answer: reasoning, then ``<tool_call>[calls]</tool_call>``, ``[]`` allowed."""
-    from .grammar.tool_calls import tool_call_grammar
-
     return tool_call_grammar(tools)
 
 
 def _required_grammar(tools, names=None) -> list:
     """A §9 answer of at least one call (to one of ``names`` when given)."""
-    from .grammar.tool_calls import tool_call_grammar
-
     chosen = [t for t in json.loads(tools_json(tools)) if names is None or tool_name(t) in names]
     return tool_call_grammar(chosen, min_calls=1)
 
