@@ -69,8 +69,8 @@ const HMIX: u32 = LANES + LANES * LANES;
 
 var<workgroup> work: array<vec4<f32>, 2u * SLOTS>;
 
-//#include fp16.wgsl
-//#include workgroup_sum.wgsl
+//#include include/fp16.wgsl
+//#include include/workgroup_sum.wgsl
 
 // The four halves at an even half offset: two words, no per-element select.
 fn half4_at(index: u32) -> vec4<f32> {
