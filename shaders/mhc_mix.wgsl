@@ -70,12 +70,6 @@ var<workgroup> hpre: array<f32, LANES>;
 //#include include/fwht.wgsl
 //#include include/act_quant.wgsl
 
-// The four halves at an even half offset: two words, no per-element select.
-fn half4_at(index: u32) -> vec4<f32> {
-  let word = index >> 1u;
-  return vec4<f32>(unpack2x16float(fp16[word]), unpack2x16float(fp16[word + 1u]));
-}
-
 fn lanes4(at: u32) -> vec4<f32> {
   return vec4<f32>(lanes[at], lanes[at + 1u], lanes[at + 2u], lanes[at + 3u]);
 }
