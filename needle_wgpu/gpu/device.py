@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ..errors import DeviceError, DeviceLimitError
-from .shaders import shader_source
+from .shaders import shader_source, struct_layout
 
 UNIFORM_ALIGN = 256
 
@@ -99,8 +99,9 @@ class Counters:
 class UniformArena:
     """All kernel parameters of a plan in uniform buffers, each dispatch at an aligned offset.
 
-    Parameters are packed as 32-bit words (u32 for ints, f32 for floats) in the order given;
-    WGSL structs of scalars match this layout. When a buffer is full the arena starts another
+    Ops call ``struct``: the values by the names of the kernel's WGSL ``struct Params``, laid
+    out as WGSL lays that struct out (``gpu/shaders.py``). ``add`` packs bare 32-bit words in the
+    order given (u32 for ints, f32 for floats). When a buffer is full the arena starts another
     of the same capacity (bindings already handed out keep theirs), so a plan of any length
     fits: its uniforms take as many blocks as its dispatches need.
     """
@@ -117,8 +118,19 @@ class UniformArena:
         """The block being filled."""
         return self.blocks[-1]
 
+    def struct(self, kernel: KernelKey | str, struct_name: str = "Params", /, **values) -> Binding:
+        """One dispatch's parameters: ``values`` by member name of ``struct_name`` in the WGSL
+        source of ``kernel`` (its ``KernelKey`` or family name). Padding members (``_pad0``) are
+        written as zeros and never given; a missing, unknown or mistyped member is refused,
+        named, before anything is written."""
+        family = kernel.family if isinstance(kernel, KernelKey) else kernel
+        return self._place(struct_layout(family, struct_name).pack(values))
+
     def add(self, *values) -> Binding:
-        data = pack_words(values)
+        """Bare 32-bit words in the order given (u32 for ints, f32 for floats)."""
+        return self._place(pack_words(values))
+
+    def _place(self, data: bytes) -> Binding:
         size = max(16, (len(data) + 15) // 16 * 16)
         if size > self.capacity:
             raise DeviceError(f"{self.label}: {size} bytes of parameters exceed the {self.capacity}-byte block")
