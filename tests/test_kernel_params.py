@@ -3,7 +3,10 @@ names the values, ``UniformArena.struct`` lays them out as WGSL does and refuses
 match. No GPU: the arena writes into host memory here.
 """
 
+import ast
+import re
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +116,77 @@ def test_what_the_parser_cannot_lay_out_is_refused():
         parse_struct("struct Other { a: u32, }", "example")
     with pytest.raises(ValueError, match="cannot read member"):
         parse_struct("struct Params { @align(16) a: u32, }", "example")
+
+
+# -------------------------------------------------------------- every op against its kernel's struct
+
+KERNELS = Path(__file__).resolve().parents[1] / "needle_wgpu" / "kernels"
+SHADERS = Path(__file__).resolve().parents[1] / "shaders"
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    """``node`` is a call of ``name`` (``name(...)`` or ``module.name(...)``)."""
+    return isinstance(node, ast.Call) and name in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
+
+
+def _bindings(tree: ast.AST, name: str, function: str) -> list:
+    """The calls of ``function`` that ``tree`` assigns to the variable ``name``."""
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign) and _calls(node.value, function)
+            and any(isinstance(target, ast.Name) and target.id == name for target in node.targets)]
+
+
+def _families(function: ast.FunctionDef, node: ast.expr) -> set:
+    """The kernel families ``node`` (an ``arena.struct`` first argument) may name: a family
+    string, or a variable the function binds to ``KernelKey("family", ...)`` (on any branch)."""
+    if isinstance(node, ast.Constant):
+        return {node.value}
+    return {key.args[0].value for key in _bindings(function, node.id, "KernelKey")}
+
+
+def _splatted(module: ast.Module, name: str) -> set:
+    """The keys of ``**name``: the module binds ``name`` to ``dict(...)`` (the sampler's settings)."""
+    return {keyword.arg for value in _bindings(module, name, "dict") for keyword in value.keywords}
+
+
+def struct_calls():
+    """(op file, line, families, struct name, member names) of every ``arena.struct`` call in the ops."""
+    calls = []
+    for path in sorted(KERNELS.glob("*.py")):
+        module = ast.parse(path.read_text())
+        for function in [n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)]:
+            for call in ast.walk(function):
+                if not (_calls(call, "struct") and getattr(call.func.value, "id", "") == "arena"):
+                    continue
+                struct_name = call.args[1].value if len(call.args) > 1 else "Params"
+                names = set()
+                for keyword in call.keywords:
+                    names |= _splatted(module, keyword.value.id) if keyword.arg is None else {keyword.arg}
+                calls.append((path.name, call.lineno, _families(function, call.args[0]), struct_name, names))
+    return calls
+
+
+def uniform_structs() -> set:
+    """(family, struct name) of every ``var<uniform>`` of every kernel but the session's Step."""
+    found = set()
+    for path in SHADERS.glob("*.wgsl"):
+        for struct_name in re.findall(r"var<uniform>\s+\w+\s*:\s*(\w+)", shader_source(path.stem)):
+            if struct_name != "Step":
+                found.add((path.stem, struct_name))
+    return found
+
+
+def test_every_op_names_exactly_the_members_of_its_kernels_struct():
+    calls = struct_calls()
+    assert len(calls) >= 24
+    for op_file, line, families, struct_name, names in calls:
+        assert families, f"{op_file}:{line}: the kernel of an arena.struct call is not a KernelKey or family name"
+        for family in families:
+            want = set(struct_layout(family, struct_name).names())
+            assert names == want, (f"{op_file}:{line} ({family}.wgsl {struct_name}): missing {sorted(want - names)}, "
+                                   f"unknown {sorted(names - want)}")
+
+
+def test_every_uniform_struct_of_a_kernel_is_filled_by_an_op():
+    filled = {(family, struct_name) for _, _, families, struct_name, _ in struct_calls() for family in families}
+    assert uniform_structs() - filled == set()
+    assert len(uniform_structs()) == 26
