@@ -15,7 +15,7 @@ from needle_wgpu.kernels.attention import AttentionShape
 from needle_wgpu.reference import attention as ref
 from needle_wgpu.reference.dense_attention import position_heads
 
-from .test_attention import GATE, LONG_GATE, download, fill_cache, read_cache, rel, upload
+from .parity import GATE, LONG_GATE, download, fill_cache, read_cache, rel, upload
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32

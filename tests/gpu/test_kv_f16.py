@@ -21,7 +21,7 @@ from needle_wgpu.kernels.attention import AttentionShape
 from needle_wgpu.reference import attention as ref
 from needle_wgpu.reference.dense_attention import kv_f16
 
-from .test_attention import GATE, LONG_GATE, download, fill_cache, rel, upload
+from .parity import GATE, LONG_GATE, download, fill_cache, rel, upload
 from .test_attention_dense import SHAPES, Layer, Runner, random_qkv
 
 pytestmark = pytest.mark.gpu
