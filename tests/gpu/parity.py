@@ -1,5 +1,5 @@
-"""Shared helpers of the GPU parity tests: the gates, buffers in and out, and a KV cache
-filled or read back directly."""
+"""Shared helpers of the GPU parity tests: the measure (``rel``) and the attention gates, buffers in
+and out, and a KV cache filled or read back directly. The browser tests measure with ``rel`` too."""
 
 import numpy as np
 
@@ -11,12 +11,22 @@ LONG_GATE = 5e-5
 F32 = np.float32
 
 
-def rel(got, want):
-    return float(np.abs(got - want).max() / np.sqrt((np.asarray(want, np.float64) ** 2).mean()))
+def rel(got, want) -> float:
+    """max |got - want| / RMS(want), both widened to float64 first: the difference is exact, so a
+    gate measures the same thing whatever the dtypes of the two sides."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.sqrt((want ** 2).mean()))
+
+
+def argmax_mismatches(got, want) -> int:
+    """Rows of two [T, vocab] logit arrays whose argmax differs."""
+    return int((np.asarray(got).argmax(-1) != np.asarray(want).argmax(-1)).sum())
 
 
 def upload(device, array, label):
-    array = np.ascontiguousarray(array, dtype=F32)
+    """A storage buffer holding ``array``: floats as f32, integers (ids, permutations, raw bytes) as they are."""
+    array = np.asarray(array)
+    array = np.ascontiguousarray(array, dtype=F32 if array.dtype.kind == "f" else array.dtype)
     return device.buffer(array.nbytes, label=label, data=array.tobytes())
 
 

@@ -22,13 +22,11 @@ from needle_wgpu.reference import mhc as ref_mhc
 from needle_wgpu.reference.ops import zc_rms_norm
 from needle_wgpu.reference.weights import load_weights
 
+from .parity import download, rel, upload
+
 pytestmark = pytest.mark.gpu
 GATE = 1e-5  # f32 reductions in tree order instead of NumPy's pairwise order: a few ulps
 T = 5
-
-
-def rel(got, want):
-    return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
 
 
 @dataclass
@@ -64,16 +62,6 @@ def synthetic_model(device, rng, lanes, width, layers=3, engram_sites=(1,)):
     layers = [ref_mhc.MhcLayer(l % n, float(v["mhc.a_pre"][l]), float(v["mhc.a_post"][l]), float(v["mhc.a_res"][l]),
                                v["mhc.b_pre"][l], v["mhc.b_post"][l], v["mhc.b_res"][l]) for l in range(L)]
     return MixModel(n, width, engram_sites, store, layers, [v[f"layers.{l}.norm_in"] for l in range(L)])
-
-
-def upload(device, array, label):
-    array = np.ascontiguousarray(array, dtype=np.float32)
-    return device.buffer(array.nbytes, label=label, data=array.tobytes())
-
-
-def download(device, buffer, shape, offset=0):
-    count = int(np.prod(shape))
-    return np.frombuffer(device.read(buffer, 4 * count, 4 * offset), np.float32).reshape(shape)
 
 
 class FakeStore:

@@ -22,24 +22,12 @@ from needle_wgpu.reference.hada_mlp import HadaParams, hada_mlp
 from needle_wgpu.reference.ops import sinkhorn, zc_rms_norm
 from needle_wgpu.reference.weights import load_weights
 
+from .parity import download, rel, upload
+
 pytestmark = pytest.mark.gpu
 GATE = 1e-5  # f32 sums (norms, softmax, Kronecker products) in a different order: a few ulps
 T = 5
 SENTINEL = -7.0
-
-
-def rel(got, want):
-    return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
-
-
-def upload(device, array, label):
-    array = np.ascontiguousarray(array)
-    return device.buffer(array.nbytes, label=label, data=array.tobytes())
-
-
-def download(device, buffer, shape, offset=0):
-    count = int(np.prod(shape))
-    return np.frombuffer(device.read(buffer, 4 * count, 4 * offset), np.float32).reshape(shape)
 
 
 class TinyModel:
