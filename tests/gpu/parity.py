@@ -1,7 +1,10 @@
 """Shared helpers of the GPU parity tests: the measure (``rel``) and the attention gates, buffers in
-and out, and a KV cache filled or read back directly. The browser tests measure with ``rel`` too."""
+and out, a KV cache filled or read back directly, and attention run alone over it. The browser tests measure with ``rel`` too."""
 
 import numpy as np
+
+from needle_wgpu.gpu import Binding, Plan, UniformArena
+from needle_wgpu.kernels import attention as ops
 
 GATE = 1e-5  # f32 sums in other orders, GPU exp/sqrt/division: a few ulps
 # Softmax over 1024 to 8192 keys of random-sign values: the output is a small remainder of long
@@ -82,3 +85,17 @@ def fill_cache(device, cache, entries, positions):
     for part, start in zip(parts, starts):
         words[start : start + part.size] = part.ravel()
     device.write(cache.buffer, words.tobytes())
+
+
+def run_attention(device, shape, cache, q, pos0, **options):
+    """``kernels.attention.attention`` alone over ``cache`` as it is (filled by ``fill_cache``):
+    q [T][heads][qk] at positions pos0 .. pos0 + T - 1, ``options`` passed on (gate, int8).
+    Returns o [T][heads · v_dim]."""
+    T = len(q)
+    q_buf = upload(device, q.reshape(T, -1), "q")
+    o = device.buffer(4 * T * shape.out_width, label="o")
+    step = device.buffer(16, label="step", usage="uniform", data=np.array([pos0, 0, 0, 0], np.uint32).tobytes())
+    arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, "attention")
+    ops.attention(plan, arena, Binding(step), shape=shape, q=q_buf, cache=cache, o=o, positions=T, **options)
+    device.run(plan)
+    return download(device, o, (T, shape.out_width))

@@ -22,7 +22,7 @@ from needle_wgpu.reference import attention as ref
 from needle_wgpu.reference.ops import causal_conv, fake_quant, quantize_rows, rope_frequencies, sigmoid
 from needle_wgpu.reference.weights import load_weights
 
-from .parity import F32, GATE, LONG_GATE, download, fill_cache, read_cache, rel, upload
+from .parity import F32, GATE, LONG_GATE, download, fill_cache, read_cache, rel, run_attention, upload
 
 pytestmark = pytest.mark.gpu
 
@@ -442,17 +442,12 @@ def test_attention_long_span(device, tiny, layer, int8):
         entries = (k, v)
     fill_cache(device, cache, tuple(e[kept] for e in entries), kept)
     raw = random_raw(rng, g, T)  # only the gate part is read
-    q_buf, qkvg = upload(device, q.reshape(T, -1), "q"), upload(device, raw, "qkvg")
-    o = device.buffer(4 * T * g.attn_out, label="o")
-    step = device.buffer(16, label="step", usage="uniform", data=np.array([pos0, 0, 0, 0], np.uint32).tobytes())
-    arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, "attention")
-    ops.attention(plan, arena, Binding(step), shape=ops.needle3_shape(g, layer), q=q_buf, cache=cache, gate=qkvg, o=o,
-                  positions=T, int8=int8)
-    device.run(plan)
+    got = run_attention(device, ops.needle3_shape(g, layer), cache, q, pos0, gate=upload(device, raw, "qkvg"),
+                        int8=int8)
     query_positions = pos0 + np.arange(T)
     attended = ref.attend(q, query_positions, entries, positions, g.attention_span(layer), int8)
     want = attended.reshape(T, -1) * sigmoid(gate_of(g, raw))
-    assert rel(download(device, o, (T, g.attn_out)), want) <= LONG_GATE
+    assert rel(got, want) <= LONG_GATE
 
 
 def test_cache_sizes(device, tiny):
