@@ -53,7 +53,7 @@ def test_vectors_and_arrays_take_the_uniform_layout(arena):
     source = """
     struct Params {
       a: u32,          // a comment, with a comma
-      b: vec2<f32>,
+      b: vec2f,
       c: i32,
       d: vec4<u32>,
       e: array<vec4<f32>, 2>,
@@ -71,7 +71,7 @@ def test_vectors_and_arrays_take_the_uniform_layout(arena):
 def test_engram_names_its_two_structs():
     fetch, conv = struct_layout("engram", "FetchParams"), struct_layout("engram", "ConvParams")
     assert fetch.fields[-1].name == "orders" and fetch.fields[-1].offset == 64 and fetch.size == 80
-    assert conv.fields[-1].name == "taps_at" and conv.fields[-1].values == 16 and conv.size == 112
+    assert conv.fields[-1].name == "taps_at" and conv.fields[-1].scalar_count == 16 and conv.size == 112
 
 
 def test_the_step_uniform_is_pos0_in_16_bytes():

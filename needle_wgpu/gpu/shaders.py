@@ -28,9 +28,10 @@ def _read_shader_file(name: str) -> str:
 def shader_source(family: str) -> str:
     """The WGSL text of one kernel family, from the source tree or the installed wheel.
 
-    A line ``//#include NAME.wgsl`` is replaced by that file (shared helpers such as the FWHT):
-    WGSL has no includes, and one copy of each helper keeps desktop and browser in step. An
-    included file may include others; each file is pasted once, at its first include.
+    A line ``//#include include/NAME.wgsl`` (a path under shaders/) is replaced by that file, a
+    shared helper such as the FWHT: WGSL has no includes, and one copy of each helper keeps
+    desktop and browser in step. An included file may include others; each file is pasted once,
+    at its first include.
     """
     lines: list = []
     _paste(f"{family}.wgsl", lines, set())
@@ -56,7 +57,8 @@ SCALARS = {"u32": "<I", "i32": "<i", "f32": "<f"}
 _VECTOR_ALIGN = {1: 4, 2: 8, 3: 16, 4: 16}
 _STRUCT = re.compile(r"\bstruct\s+(\w+)\s*\{(.*?)\}", re.S)
 _MEMBER = re.compile(r"^(\w+)\s*:\s*(.+)$", re.S)
-_VECTOR = re.compile(r"^vec([234])<(\w+)>$")
+_VECTOR = re.compile(r"^vec([234])(?:<(\w+)>|([fiu]))$")  # vec4<f32> or its alias vec4f
+_ALIASES = {"f": "f32", "i": "i32", "u": "u32"}
 _ARRAY = re.compile(r"^array<(.+),\s*(\d+)u?>$")
 
 
@@ -73,7 +75,7 @@ class Field:
     stride: int = 0
 
     @property
-    def values(self) -> int:
+    def scalar_count(self) -> int:
         """How many scalars the member holds (a vector or an array is given as a flat sequence)."""
         return self.lanes * (self.count or 1)
 
@@ -120,17 +122,18 @@ class StructLayout:
             if f.padding:
                 continue
             value = values[f.name]
-            if f.values == 1:
+            if f.scalar_count == 1:
                 scalars = [value]
             else:
                 if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-                    raise TypeError(f"{where}: {f.name} is {f.type_name()}, a sequence of {f.values} values, "
+                    raise TypeError(f"{where}: {f.name} is {f.type_name()}, a sequence of {f.scalar_count} values, "
                                     f"not {value!r}")
-                if len(value) != f.values:
-                    raise ValueError(f"{where}: {f.name} is {f.type_name()}: {f.values} values, not {len(value)}")
+                if len(value) != f.scalar_count:
+                    raise ValueError(f"{where}: {f.name} is {f.type_name()}: {f.scalar_count} values, "
+                                     f"not {len(value)}")
                 scalars = list(value)
             for i, scalar in enumerate(scalars):
-                label = f.name if f.values == 1 else f"{f.name}[{i}]"
+                label = f.name if f.scalar_count == 1 else f"{f.name}[{i}]"
                 at = f.offset + i // f.lanes * f.stride + 4 * (i % f.lanes)
                 struct.pack_into(SCALARS[f.scalar], out, at, _checked(where, label, f.scalar, scalar))
         return bytes(out)
@@ -155,8 +158,10 @@ def _member(family: str, struct_name: str, name: str, wgsl_type: str) -> Field:
     array = _ARRAY.match(wgsl_type)
     if array:
         wgsl_type, count = array.group(1).strip(), int(array.group(2))
+    lanes, scalar = 1, wgsl_type
     vector = _VECTOR.match(wgsl_type)
-    lanes, scalar = (int(vector.group(1)), vector.group(2)) if vector else (1, wgsl_type)
+    if vector:
+        lanes, scalar = int(vector.group(1)), vector.group(2) or _ALIASES[vector.group(3)]
     if scalar not in SCALARS:
         raise ValueError(f"{family}.wgsl struct {struct_name}: {name} has type {wgsl_type}, which uniform "
                          f"parameters do not support (u32, i32, f32, their vectors and arrays)")
