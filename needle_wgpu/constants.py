@@ -57,7 +57,7 @@ def pio2_parts() -> tuple:
     """π/2 as three 8-bit parts plus an f32 remainder, for the Cody-Waite angle reduction.
 
     k·part is exact in f32 for k < 2^16, so a RoPE angle below 2^16 reduces to [−π/4, π/4]
-    with an absolute error near 1e-7 (``shaders/rope_cos_sin.wgsl``).
+    with an absolute error near 1e-7 (``shaders/include/rope_cos_sin.wgsl``).
     """
     rest, parts = math.pi / 2, []
     for _ in range(3):

@@ -21,8 +21,8 @@ struct Params {
 
 var<workgroup> fwht_buf: array<f32, CAP>;
 
-//#include fwht.wgsl
-//#include act_quant.wgsl
+//#include include/fwht.wgsl
+//#include include/act_quant.wgsl
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {

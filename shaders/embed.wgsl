@@ -26,7 +26,7 @@ struct Params {
   _pad0: u32,
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> chunk: Step;
@@ -43,9 +43,9 @@ var<workgroup> fwht_buf: array<f32, CAP>;
 var<workgroup> level_table: array<f32, 16>;
 var<workgroup> row_id: u32;
 
-//#include fwht.wgsl
+//#include include/fwht.wgsl
 
-//#include cq_row.wgsl
+//#include include/cq_row.wgsl
 
 // Dequantises the clamped row of position t into fwht_buf; false (for the whole workgroup)
 // when another slice holds that row.

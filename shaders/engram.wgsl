@@ -59,7 +59,7 @@ struct ConvParams {
   taps_at: array<vec4<u32>, 4>,  // half offset of each site's taps [taps][d], 4 per vec4
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 @group(0) @binding(0) var<uniform> params: FetchParams;
 @group(0) @binding(0) var<uniform> conv_params: ConvParams;
@@ -87,9 +87,9 @@ var<workgroup> fwht_buf: array<f32, CAP>;
 var<workgroup> level_table: array<f32, 16>;
 var<workgroup> slot_of: array<u32, MAX_TABLES>;
 
-//#include fp16.wgsl
-//#include fwht.wgsl
-//#include act_quant.wgsl
+//#include include/fp16.wgsl
+//#include include/fwht.wgsl
+//#include include/act_quant.wgsl
 
 // Slot of table tb at absolute position p (§4.2); ids before position 0 read as 0.
 fn table_slot(p: u32, tb: u32) -> u32 {
@@ -115,7 +115,7 @@ fn table_valid(p: u32, tb: u32) -> bool {
   return p + 1u >= order;
 }
 
-//#include cq_row.wgsl
+//#include include/cq_row.wgsl
 
 @compute @workgroup_size(256)
 fn fetch(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {

@@ -30,9 +30,9 @@ const EPS: f32 = 1e-6;
 var<workgroup> fwht_buf: array<f32, CAP>;
 var<workgroup> partial: array<f32, 256>;
 
-//#include fp16.wgsl
-//#include fwht.wgsl
-//#include act_quant.wgsl
+//#include include/fp16.wgsl
+//#include include/fwht.wgsl
+//#include include/act_quant.wgsl
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {

@@ -24,7 +24,7 @@ struct Params {
   zero: u32,            // always 0, unknown to the compiler: see `rounded`
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> chunk: Step;

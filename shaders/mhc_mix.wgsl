@@ -65,16 +65,10 @@ const HMIX: u32 = LANES + LANES * LANES;
 var<workgroup> fwht_buf: array<f32, D_PAD>;
 var<workgroup> hpre: array<f32, LANES>;
 
-//#include fp16.wgsl
-//#include workgroup_sum.wgsl
-//#include fwht.wgsl
-//#include act_quant.wgsl
-
-// The four halves at an even half offset: two words, no per-element select.
-fn half4_at(index: u32) -> vec4<f32> {
-  let word = index >> 1u;
-  return vec4<f32>(unpack2x16float(fp16[word]), unpack2x16float(fp16[word + 1u]));
-}
+//#include include/fp16.wgsl
+//#include include/workgroup_sum.wgsl
+//#include include/fwht.wgsl
+//#include include/act_quant.wgsl
 
 fn lanes4(at: u32) -> vec4<f32> {
   return vec4<f32>(lanes[at], lanes[at + 1u], lanes[at + 2u], lanes[at + 3u]);

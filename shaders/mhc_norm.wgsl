@@ -29,8 +29,8 @@ const EPS: f32 = 1e-6;
 var<workgroup> fwht_buf: array<f32, CAP>;
 var<workgroup> partial: array<f32, THREADS>;
 
-//#include fwht.wgsl
-//#include act_quant.wgsl
+//#include include/fwht.wgsl
+//#include include/act_quant.wgsl
 
 // Sum of one value per invocation (tree order); every invocation gets the total.
 fn workgroup_sum(lid: u32, value: f32) -> f32 {

@@ -69,14 +69,8 @@ const HMIX: u32 = LANES + LANES * LANES;
 
 var<workgroup> work: array<vec4<f32>, 2u * SLOTS>;
 
-//#include fp16.wgsl
-//#include workgroup_sum.wgsl
-
-// The four halves at an even half offset: two words, no per-element select.
-fn half4_at(index: u32) -> vec4<f32> {
-  let word = index >> 1u;
-  return vec4<f32>(unpack2x16float(fp16[word]), unpack2x16float(fp16[word + 1u]));
-}
+//#include include/fp16.wgsl
+//#include include/workgroup_sum.wgsl
 
 fn attn4(at: u32) -> vec4<f32> {
   return vec4<f32>(attn[at], attn[at + 1u], attn[at + 2u], attn[at + 3u]);

@@ -9,7 +9,7 @@
 // state (m, s, a[d]) persists across chunks in `pool` ([C·k][d + 2]: a, then m, then s).
 // The scores are the band products probe_{l,kk} · cell_{t,l} from cq_matmul.
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 struct Params {
   d: u32,

@@ -46,7 +46,7 @@ struct Params {
   freqs: array<vec4<f32>, 32>,  // RoPE inverse frequencies f_j, j < ROPE_HALF
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> chunk: Step;
@@ -62,9 +62,9 @@ var<workgroup> x: array<f32, MAX_HEAD_DIM>;
 var<workgroup> partial: array<f32, THREADS>;
 var<workgroup> angle: array<f32, 128>;
 
-//#include rope_cos_sin.wgsl
+//#include include/rope_cos_sin.wgsl
 
-//#include half_grid.wgsl
+//#include include/half_grid.wgsl
 
 fn half_pair(a: f32, b: f32) -> u32 {
   return pack2x16float(vec2<f32>(to_half_grid(a), to_half_grid(b)));

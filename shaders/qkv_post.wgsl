@@ -57,7 +57,7 @@ struct Params {
   kv_levels: array<vec4<f32>, 4>,  // KV_CQ: the 2^b levels at group 64, ascending (else unused)
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> chunk: Step;
@@ -68,7 +68,7 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> cache: array<u32>;
 @group(0) @binding(7) var<storage, read> tokens: array<u32>;  // read with PAD_MASK only
 
-//#include fp16.wgsl
+//#include include/fp16.wgsl
 
 const THREADS: u32 = 256u;
 const MAX_VECTORS: u32 = 256u;  // H + 2·KV head vectors
@@ -81,10 +81,10 @@ var<workgroup> angle: array<f32, MAX_HALF>;
 var<workgroup> cos_table: array<f32, MAX_HALF>;
 var<workgroup> sin_table: array<f32, MAX_HALF>;
 
-//#include rope_cos_sin.wgsl
+//#include include/rope_cos_sin.wgsl
 
-//#include div_rn.wgsl
-//#include half_grid.wgsl
+//#include include/div_rn.wgsl
+//#include include/half_grid.wgsl
 
 fn pack4(at: u32, count: u32, scale: f32) -> u32 {
   var word = 0u;

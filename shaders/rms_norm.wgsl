@@ -24,7 +24,7 @@ struct Params {
 
 const THREADS: u32 = 256u;
 
-//#include workgroup_sum.wgsl
+//#include include/workgroup_sum.wgsl
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {

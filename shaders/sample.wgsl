@@ -31,7 +31,7 @@ struct Params {
   min_weight: u32,      // min_p: candidates weighing less weigh 0 (0 = off; sampling.min_weight)
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> chunk: Step;
@@ -42,7 +42,7 @@ struct Params {
 
 const THREADS: u32 = 256u;
 
-//#include sample_common.wgsl
+//#include include/sample_common.wgsl
 
 var<workgroup> picked: u32;
 

@@ -39,7 +39,7 @@ struct Params {
   min_weight: u32,      // min_p: candidates weighing less weigh 0 (0 = off; sampling.min_weight)
 }
 
-//#include step.wgsl
+//#include include/step.wgsl
 
 // The bindings an entry uses form a prefix: reduce, count_k and count_ties 0..2; weigh, sum_p
 // and keep 0..3; draw all seven (kernels/sample.py binds exactly those).
@@ -65,7 +65,7 @@ const P_STATE: u32 = 4104u;  // 4 × 4: (prefix, remaining low, remaining high) 
 const GREEDY: u32 = 4120u;   // 1 when the logits make it greedy (no finite max, or +inf)
 const SLICES: u32 = 4128u;   // per slice: max key, argmax, ties at θ_k, kept mass (2 words)
 
-//#include sample_common.wgsl
+//#include include/sample_common.wgsl
 
 var<workgroup> shared_flag: u32;
 var<workgroup> picked: u32;

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import DeviceError, DeviceLimitError
+from .shaders import shader_source, struct_layout
 
 UNIFORM_ALIGN = 256
 
@@ -96,43 +96,12 @@ class Counters:
         self.bytes_allocated[kind] = self.bytes_allocated.get(kind, 0) + size
 
 
-def _read_shader_file(name: str) -> str:
-    here = Path(__file__).resolve().parents[2] / "shaders" / name
-    if here.exists():
-        return here.read_text()
-    from importlib import resources
-
-    return resources.files("needle_wgpu.shaders").joinpath(name).read_text()
-
-
-def shader_source(family: str) -> str:
-    """The WGSL text of one kernel family, from the source tree or the installed wheel.
-
-    A line ``//#include NAME.wgsl`` is replaced by that file (shared helpers such as the FWHT):
-    WGSL has no includes, and one copy of each helper keeps desktop and browser in step. An
-    included file may include others; each file is pasted once, at its first include.
-    """
-    lines: list = []
-    _paste(f"{family}.wgsl", lines, set())
-    return "\n".join(lines) + "\n"
-
-
-def _paste(name: str, lines: list, seen: set) -> None:
-    seen.add(name)
-    for line in _read_shader_file(name).splitlines():
-        if line.startswith("//#include "):
-            include = line.split()[1]
-            if include not in seen:
-                _paste(include, lines, seen)
-        else:
-            lines.append(line)
-
-
 class UniformArena:
     """All kernel parameters of a plan in uniform buffers, each dispatch at an aligned offset.
 
-    Parameters are packed as 32-bit words (u32 for ints, f32 for floats) in the order given;
-    WGSL structs of scalars match this layout. When a buffer is full the arena starts another
+    Ops call ``struct``: the values by the names of the kernel's WGSL ``struct Params``, laid
+    out as WGSL lays that struct out (``gpu/shaders.py``). ``add`` packs bare 32-bit words in the
+    order given (u32 for ints, f32 for floats). When a buffer is full the arena starts another
     of the same capacity (bindings already handed out keep theirs), so a plan of any length
     fits: its uniforms take as many blocks as its dispatches need.
     """
@@ -149,8 +118,19 @@ class UniformArena:
         """The block being filled."""
         return self.blocks[-1]
 
+    def struct(self, kernel: KernelKey | str, struct_name: str = "Params", /, **values) -> Binding:
+        """One dispatch's parameters: ``values`` by member name of ``struct_name`` in the WGSL
+        source of ``kernel`` (its ``KernelKey`` or family name). Padding members (``_pad0``) are
+        written as zeros and never given; a missing, unknown or mistyped member is refused,
+        named, before anything is written."""
+        family = kernel.family if isinstance(kernel, KernelKey) else kernel
+        return self._place(struct_layout(family, struct_name).pack(values))
+
     def add(self, *values) -> Binding:
-        data = pack_words(values)
+        """Bare 32-bit words in the order given (u32 for ints, f32 for floats)."""
+        return self._place(pack_words(values))
+
+    def _place(self, data: bytes) -> Binding:
         size = max(16, (len(data) + 15) // 16 * 16)
         if size > self.capacity:
             raise DeviceError(f"{self.label}: {size} bytes of parameters exceed the {self.capacity}-byte block")

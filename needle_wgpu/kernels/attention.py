@@ -278,15 +278,17 @@ def qkv_post(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, fp
     if int8 and (q_quant or kv_bits):
         raise ValueError("qkv_post: int8 mode quantises q and K/V itself (q_quant / kv_levels are for f32 caches)")
     fp16, (q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at) = _layer_fp16(fp16_store, sh, layer)
-    params = arena.add(sh.heads, sh.kv_heads, sh.qk_dim, sh.v_dim,
-                       qkvg_stride or width + sh.out_width, taps, ring_size, cache.slots, q_stride or sh.q_width,
-                       q_taps_at, k_taps_at, v_taps_at, q_norm_at, k_norm_at,
-                       cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
-                       0, 0, 0, 0, *sh.frequencies(), *kv_levels, *[0.0] * (MAX_KV_LEVELS - len(kv_levels)))
     parts = pio2_parts()
     key = KernelKey("qkv_post", consts=(("CAP", cap), ("INT8", int8), ("Q_QUANT", bool(q_quant)), ("KV_CQ", kv_bits),
                                         *((f"PIO2_{i + 1}", v) for i, v in enumerate(parts)),
                                         ("PAD_MASK", pad_tokens is not None)))
+    params = arena.struct(
+        key, heads=sh.heads, kv_heads=sh.kv_heads, qk_dim=sh.qk_dim, v_dim=sh.v_dim,
+        qkvg_stride=qkvg_stride or width + sh.out_width, taps=taps, ring_slots=ring_size, cache_slots=cache.slots,
+        q_stride=q_stride or sh.q_width, q_taps_at=q_taps_at, k_taps_at=k_taps_at, v_taps_at=v_taps_at,
+        q_norm_at=q_norm_at, k_norm_at=k_norm_at, k_at=cache.k_at, v_at=cache.v_at, k_scale_at=cache.k_scale_at,
+        v_scale_at=cache.v_scale_at, k_row=cache.k_row, v_row=cache.v_row, freqs=sh.frequencies(),
+        kv_levels=[*kv_levels, *[0.0] * (MAX_KV_LEVELS - len(kv_levels))])
     plan.add(key, [params, step, qkvg, fp16, ring, q_out, cache.buffer, qkvg if pad_tokens is None else pad_tokens],
              (positions,), label=f"qkv_post {layer}")
 
@@ -338,14 +340,15 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
         raise ValueError("attention: a gated shape needs the gate rows")
     width = sh.q_width + sh.k_width + sh.v_width
     vcols = 1 << max(0, (sh.v_dim - 1).bit_length())
-    params = arena.add(sh.heads, sh.kv_heads, sh.qk_dim, sh.v_dim, cache.span, cache.slots,
-                       q_stride or sh.q_width, gate_stride or width + sh.out_width,
-                       width if gate_offset is None else gate_offset, o_stride or sh.out_width,
-                       cache.k_at, cache.v_at, cache.k_scale_at, cache.v_scale_at, cache.k_row, cache.v_row,
-                       sh.score_scale, 0, 0, 0)
     key = KernelKey("attention", consts=(("KV_MODE", cache.mode_code), ("GATE", sh.gate), ("VCOLS", vcols),
                                           ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row),
                                           ("PAD_MASK", pad_tokens is not None)))
+    params = arena.struct(
+        key, heads=sh.heads, kv_heads=sh.kv_heads, qk_dim=sh.qk_dim, v_dim=sh.v_dim, span=cache.span,
+        cache_slots=cache.slots, q_stride=q_stride or sh.q_width, gate_stride=gate_stride or width + sh.out_width,
+        gate_offset=width if gate_offset is None else gate_offset, o_stride=o_stride or sh.out_width,
+        k_at=cache.k_at, v_at=cache.v_at, k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at,
+        k_row=cache.k_row, v_row=cache.v_row, scale=sh.score_scale)
     gates = gate if sh.gate else q
     plan.add(key, [params, step, q, cache.buffer, gates, o, q if pad_tokens is None else pad_tokens],
              (sh.heads, positions), label=label)
@@ -397,13 +400,15 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
         raise ValueError(f"{label}: the shape has biases or norms but no vectors buffer was given")
     k_offset = sh.q_width if k_offset is None else k_offset
     v_offset = k_offset + sh.k_width if v_offset is None else v_offset
-    params = arena.add(qkv_stride or sh.q_width + sh.k_width + sh.v_width, q_offset, k_offset, v_offset,
-                       q_stride or sh.q_width, cache.slots, cache.k_at, cache.v_at,
-                       q_norm_at, k_norm_at, q_bias_at, k_bias_at, v_bias_at, float(sh.eps), 0, 0,
-                       *sh.frequencies())
     consts = (("HEADS", sh.heads), ("KV_HEADS", sh.kv_heads), ("QK_DIM", sh.qk_dim), ("V_DIM", sh.v_dim),
               ("ROPE", ROPE_CODES[sh.rope]), ("ROPE_HALF", sh.rope_dims // 2), ("NORM", NORM_CODES[sh.norm]),
               ("BIAS", sh.bias), ("KV_MODE", cache.mode_code), ("K_ROW", cache.k_row), ("V_ROW", cache.v_row),
               *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())))
+    key = KernelKey("qk_rope", consts=consts)
+    params = arena.struct(
+        key, qkv_stride=qkv_stride or sh.q_width + sh.k_width + sh.v_width, q_offset=q_offset, k_offset=k_offset,
+        v_offset=v_offset, q_stride=q_stride or sh.q_width, cache_slots=cache.slots, k_at=cache.k_at,
+        v_at=cache.v_at, q_norm_at=q_norm_at, k_norm_at=k_norm_at, q_bias_at=q_bias_at, k_bias_at=k_bias_at,
+        v_bias_at=v_bias_at, eps=float(sh.eps), freqs=sh.frequencies())
     bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer]
-    plan.add(KernelKey("qk_rope", consts=consts), bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)
+    plan.add(key, bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)

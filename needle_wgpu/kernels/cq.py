@@ -185,7 +185,8 @@ def prepare(plan: Plan, arena: UniformArena, x, xh, *, width: int, group: int, p
     cap = prepare_cap(width, group)
     key = KernelKey("cq_prepare", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group)),
                                           ("ACT_QUANT", bool(act_quant))))
-    params = arena.add(width, in_pad, x_stride, x_offset, y_stride or in_pad, y_offset, 0, 0)
+    params = arena.struct(key, width=width, in_pad=in_pad, x_stride=x_stride, x_offset=x_offset,
+                          y_stride=y_stride or in_pad, y_offset=y_offset)
     plan.add(key, [params, x, xh], (positions,), label="cq_prepare")
 
 
@@ -223,9 +224,11 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
         if x_block_rows and done % x_block_rows and (hi - lo) > x_block_rows - done % x_block_rows:
             raise DeviceLimitError(f"{pack.name}: a split crosses an input block; raise the binding limit")
         block_shift = (done // x_block_rows) * x_block_stride if x_block_rows else 0
-        params = arena.add(hi - lo, lo - piece.first, pack.row_words, pack.groups, piece.rows * pack.row_words,
-                           pack.group // 32, positions, x_stride, x_offset + block_shift,
-                           x_block_rows, x_block_stride, y_stride, y_offset + done, 0, 0, 0)
+        params = arena.struct(key, rows=hi - lo, row_start=lo - piece.first, row_words=pack.row_words,
+                              groups=pack.groups, norm_base=piece.rows * pack.row_words, group_chunks=pack.group // 32,
+                              positions=positions, x_stride=x_stride, x_offset=x_offset + block_shift,
+                              x_block_rows=x_block_rows, x_block_stride=x_block_stride, y_stride=y_stride,
+                              y_offset=y_offset + done)
         groups = ((hi - lo + rows_per_group - 1) // rows_per_group, (positions + tile - 1) // tile)
         plan.add(key, [params, Binding(piece.buffer), levels, xh, y], groups, label=f"matmul {pack.name}")
 

@@ -58,9 +58,10 @@ def embed(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, p
         ("CAP", workgroup_cap(pack.in_pad)), ("FWHT_SCALE", fwht_scale(pack.group))))
     scale = constants.sqrt(g.d_model)  # the f32 of sqrt(d), correctly rounded (§4.1)
     for piece in pack.slices:
-        params = arena.add(g.d_model, g.mhc_lanes, g.vocab, pack.in_pad, pack.row_words, pack.groups,
-                           piece.rows * pack.row_words, piece.first, piece.rows, (g.num_layers + 1) * g.d_model,
-                           scale, 0)
+        params = arena.struct(key, d=g.d_model, lanes=g.mhc_lanes, vocab=g.vocab, row_pad=pack.in_pad,
+                              row_words=pack.row_words, groups=pack.groups, norm_base=piece.rows * pack.row_words,
+                              slice_first=piece.first, slice_rows=piece.rows,
+                              cells_stride=(g.num_layers + 1) * g.d_model, scale=scale)
         bindings = [params, step, tokens, Binding(piece.buffer), levels, lanes]
         if cells is not None:
             bindings.append(cells)
@@ -82,6 +83,6 @@ def final_norm(plan: Plan, arena: UniformArena, *, geometry: Needle3Geometry, fp
     key = KernelKey("final_norm", consts=(("GROUP", group), ("CAP", workgroup_cap(d_pad)),
                                           ("FWHT_SCALE", fwht_scale(group)), ("ACT_QUANT", bool(act_quant))))
     window = fp16_store.window(["final_norm"])
-    params = arena.add(g.d_model, g.mhc_lanes, d_pad, window.offset("final_norm"), g.mhc_lanes * g.d_model,
-                       0, 0, 0)
+    params = arena.struct(key, d=g.d_model, lanes=g.mhc_lanes, out_pad=d_pad, norm_at=window.offset("final_norm"),
+                          lane_stride=g.mhc_lanes * g.d_model)
     plan.add(key, [params, window.binding, lanes, xfh], (positions,), label="final_norm")

@@ -67,9 +67,11 @@ def _fetch_params(arena: UniformArena, g: Needle3Geometry, tables: CQPack, site:
     width = g.num_engram_tables * g.engram_sub_dim
     out_pad = -(-width // tables.group) * tables.group
     orders = list(g.engram_orders) + [0] * (MAX_ORDERS - len(g.engram_orders))
-    return arena.add(positions, width, out_pad, g.engram_sub_dim, tables.in_pad, tables.row_words, tables.groups,
-                     tables.rows * tables.row_words, g.engram_slots, g.engram_heads,
-                     g.engram_seed_heads or g.engram_heads, len(g.engram_orders), site, 0, 0, 0, *orders)
+    return arena.struct("engram", "FetchParams", positions=positions, width=width, out_pad=out_pad,
+                        sub_dim=g.engram_sub_dim, row_pad=tables.in_pad, row_words=tables.row_words,
+                        groups=tables.groups, norm_base=tables.rows * tables.row_words, slots=g.engram_slots,
+                        heads=g.engram_heads, seed_stride=g.engram_seed_heads or g.engram_heads,
+                        num_orders=len(g.engram_orders), site=site, orders=orders)
 
 
 def fetch(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, site: int, tables: CQPack, levels,
@@ -142,11 +144,12 @@ def conv(plan: Plan, arena: UniformArena, step, *, geometry: Needle3Geometry, fp
     window = fp16_store.window([f"engram.{s}.taps" for s in stored_sites])
     taps_at = [window.offset(f"engram.{s}.taps") for s in stored_sites]
     taps_at += [0] * (MAX_SITES - sites)
-    params = arena.add(d, g.engram_conv_taps, g.engram_conv_dilation, g.engram_max_order, ring_size,
-                       sites * 2 * d, 2 * d, d, sites, 0, 0, 0, *taps_at)
     # The module's fetch constants must be defined to compile; conv does not depend on them.
     key = KernelKey("engram", entry="conv", consts=(
         ("CODE_BITS", 2), ("LEVEL_BASE", 0), ("GROUP", 128), ("CAP", 256), ("FWHT_SCALE", fwht_scale(128)),
         ("MAX_TABLES", MAX_TABLES), ("ACT_QUANT", False), ("PAD_MASK", pad_tokens is not None)))
+    params = arena.struct(key, "ConvParams", d=d, taps=g.engram_conv_taps, dilation=g.engram_conv_dilation,
+                          max_order=g.engram_max_order, ring_slots=ring_size, ekv_stride=sites * 2 * d,
+                          site_stride=2 * d, value_offset=d, sites=sites, taps_at=taps_at)
     plan.add(key, [params, step, window.binding, ekv, ring, ev, ekv if pad_tokens is None else pad_tokens],
              (-(-d // 256), positions, sites), label="engram conv")

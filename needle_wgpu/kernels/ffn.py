@@ -29,9 +29,10 @@ def gated_activation(plan: Plan, arena: UniformArena, *, gate, up, out, width: i
         raise ValueError(f"gated_activation: act {act!r} (one of {tuple(ACTIVATIONS)})")
     if width < 1:
         raise UnsupportedModelError(f"gated_activation: width {width}")
-    params = arena.add(gate_stride or width, gate_offset, up_stride or width, up_offset, out_stride or width, 0, 0, 0)
     key = KernelKey("gated_act", consts=(("WIDTH", width), ("ACT", ACTIVATIONS[act]),
                                           ("GELU_SCALE", GELU_TANH_SCALE), ("GELU_CUBIC", GELU_TANH_CUBIC)))
+    params = arena.struct(key, gate_stride=gate_stride or width, gate_offset=gate_offset, up_stride=up_stride or width,
+                          up_offset=up_offset, out_stride=out_stride or width)
     plan.add(key, [params, gate, up, out], (-(-width // THREADS), positions), label=label or act)
 
 

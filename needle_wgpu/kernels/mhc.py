@@ -126,7 +126,8 @@ def mhc_norm(plan: Plan, arena: UniformArena, lanes, nxh, *, lanes_n: int, width
             f"mhc_norm: n·d = {flat} needs more than {WORKGROUP_BYTES} bytes of workgroup memory")
     key = KernelKey("mhc_norm", consts=(("GROUP", group), ("CAP", cap), ("FWHT_SCALE", fwht_scale(group)),
                                         ("ACT_QUANT", bool(act_quant))))
-    params = arena.add(flat, in_pad, lane_stride or flat, lane_offset, y_stride or in_pad, y_offset, 0, 0)
+    params = arena.struct(key, width=flat, in_pad=in_pad, x_stride=lane_stride or flat, x_offset=lane_offset,
+                          y_stride=y_stride or in_pad, y_offset=y_offset)
     plan.add(key, [params, lanes, nxh], (positions,), label="mhc_norm")
 
 
@@ -168,23 +169,26 @@ def mhc_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, lanes, mix_dots, s
     active = layer % n if active_lane is None else active_lane
     if engram is None:
         ekv = ev = lanes
-        gate = (0, 0, 0, 0)
+        ekv_stride = key_offset = ev_stride = value_offset = 0
     else:
         ekv, ev = engram.ekv, engram.ev
-        gate = (engram.sites * 2 * d, engram.site * 2 * d, engram.sites * d, engram.site * d)
+        ekv_stride, key_offset = engram.sites * 2 * d, engram.site * 2 * d
+        ev_stride, value_offset = engram.sites * d, engram.site * d
     window = fp16.layer_window(layer)
     off = window.offset
     mhc = f"layers.{layer}.mhc."
     norm_in = off(f"layers.{layer}.norm_in")
     if norm_in % 2:  # read as whole words
         raise UnsupportedModelError(f"mhc_mix: layers.{layer}.norm_in is not 4-byte aligned")
-    params = arena.add(
-        active, lane_stride or n * d, lane_offset, mix_stride or 2 * n + n * n, mix_offset,
-        *gate, state.u_at, state.bx_at, state.hmix_at, hh_stride or d_pad, hh_offset,
-        off(mhc + "a_pre"), off(mhc + "a_post"), off(mhc + "a_res"),
-        off(mhc + "b_pre"), off(mhc + "b_post"), off(mhc + "b_res"),
-        norm_in, _f32(math.sqrt(d)), 0, 0)
     key = KernelKey("mhc_mix", consts=(("GROUP", group), ("LANES", n), ("WIDTH", d), ("ENGRAM", engram is not None),
                                        ("FWHT_SCALE", fwht_scale(group)), ("ACT_QUANT", bool(act_quant))))
+    params = arena.struct(
+        key, active_lane=active, lane_stride=lane_stride or n * d, lane_offset=lane_offset,
+        mix_stride=mix_stride or 2 * n + n * n, mix_offset=mix_offset, ekv_stride=ekv_stride, key_offset=key_offset,
+        ev_stride=ev_stride, value_offset=value_offset, u_at=state.u_at, bx_at=state.bx_at, hmix_at=state.hmix_at,
+        hh_stride=hh_stride or d_pad, hh_offset=hh_offset,
+        a_pre_at=off(mhc + "a_pre"), a_post_at=off(mhc + "a_post"), a_res_at=off(mhc + "a_res"),
+        b_pre_at=off(mhc + "b_pre"), b_post_at=off(mhc + "b_post"), b_res_at=off(mhc + "b_res"),
+        norm_in_at=norm_in, sqrt_d=_f32(math.sqrt(d)))
     plan.add(key, [params, lanes, mix_dots, window.binding, ekv, ev, Binding(state.buffer), hh],
              (positions,), label=f"mhc_mix {layer}")

@@ -108,14 +108,19 @@ def mlp_mix(plan: Plan, arena: UniformArena, fp16: Fp16Store, perm, attn_out, st
     window = fp16.layer_window(layer)
     names = ("post_norm", "attn_gate", "pre_hada", "d1", "d2", "b2", "d3", "d4",
              "w1a", "w1b", "w2a", "w2b", "w3a", "w3b", "cond_v", "cond_u")
-    halves = [window.offset(f"layers.{layer}.{name}") for name in names]
-    if any(at % 2 for name, at in zip(names, halves) if name != "attn_gate"):  # vectors are read as whole words
+    halves = {name: window.offset(f"layers.{layer}.{name}") for name in names}
+    if any(at % 2 for name, at in halves.items() if name != "attn_gate"):  # vectors are read as whole words
         raise UnsupportedModelError(f"mlp_mix: layer {layer}'s FP16 tensors are not 4-byte aligned")
 
-    params = arena.add(
-        lane_stride or n * d, lane_offset, attn_stride or d, attn_offset, state.u_at, state.bx_at, state.hmix_at,
-        cell_stride, cell_offset, *halves, 0, N, 0)
     key = KernelKey("mlp_mix", consts=(("WIDTH", d), ("LANES", n), ("BA", shape.ba), ("BB", shape.bb),
                                        ("RANK", shape.rank), ("WRITE_CELL", write_cell)))
+    params = arena.struct(
+        key, lane_stride=lane_stride or n * d, lane_offset=lane_offset, a_stride=attn_stride or d, a_offset=attn_offset,
+        u_at=state.u_at, bx_at=state.bx_at, hmix_at=state.hmix_at, cell_stride=cell_stride, cell_offset=cell_offset,
+        post_norm_at=halves["post_norm"], attn_gate_at=halves["attn_gate"], pre_hada_at=halves["pre_hada"],
+        d1_at=halves["d1"], d2_at=halves["d2"], b2_at=halves["b2"], d3_at=halves["d3"], d4_at=halves["d4"],
+        w1a_at=halves["w1a"], w1b_at=halves["w1b"], w2a_at=halves["w2a"], w2b_at=halves["w2b"],
+        w3a_at=halves["w3a"], w3b_at=halves["w3b"], cond_v_at=halves["cond_v"], cond_u_at=halves["cond_u"],
+        p1_at=0, p2_at=N)
     plan.add(key, [params, attn_out, Binding(state.buffer), lanes, window.binding, perm, cells],
              (positions,), label=f"mlp_mix {layer}")

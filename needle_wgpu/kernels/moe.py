@@ -54,9 +54,9 @@ def route(plan: Plan, arena: UniformArena, *, logits, routes, positions: int, ex
     """
     if not 0 < used <= experts:
         raise ValueError(f"route: top-{used} of {experts} experts")
-    params = arena.add(positions, logits_stride or experts, logits_offset, 0)
     key = KernelKey("moe_router", consts=(("N_EXPERT", experts), ("K", used), ("RENORMALISE", bool(renormalise)),
                                           ("RENORM_FLOOR", RENORM_FLOOR)))
+    params = arena.struct(key, positions=positions, logits_stride=logits_stride or experts, logits_offset=logits_offset)
     plan.add(key, [params, logits, routes], (-(-positions // ROUTER_THREADS),), label=label or "moe route")
 
 
@@ -75,9 +75,10 @@ def routed_matmul(plan: Plan, arena: UniformArena, pack: QPack, routes, x, y, *,
         raise ValueError("routed_matmul reads x as vec4: x_stride and x_offset must be multiples of 4")
     rows = pack.rows // experts
     part = pack.parts[0]
-    params = arena.add(rows, part.side_base, positions, x_stride, x_offset, y_stride, y_offset, 0)
     key = KernelKey("q_matmul_routed", consts=_block_consts(pack) + (("N_EXPERT", experts), ("K", used),
                                                                      ("COMBINE", bool(combine))))
+    params = arena.struct(key, rows=rows, side_base=part.side_base, positions=positions, x_stride=x_stride,
+                          x_offset=x_offset, y_stride=y_stride, y_offset=y_offset)
     groups = (-(-rows // ROWS_PER_GROUP), positions if combine else positions * used)
     plan.add(key, [params, Binding(part.buffer), routes, x, y], groups,
              label=f"routed {'combine' if combine else 'expand'} {pack.name}")

@@ -28,8 +28,10 @@ def rms_norm(plan: Plan, arena: UniformArena, *, x, weights, y, width: int, posi
     final norm read only the last row of a chunk.
     """
     _check_width(label, width)
-    params = arena.add(x_stride or width, x_offset, y_stride or width, y_offset, weight_at, float(eps), 0, 0)
-    plan.add(KernelKey("rms_norm", consts=(("WIDTH", width),)), [params, x, weights, y], (positions,), label=label)
+    key = KernelKey("rms_norm", consts=(("WIDTH", width),))
+    params = arena.struct(key, x_stride=x_stride or width, x_offset=x_offset, y_stride=y_stride or width,
+                          y_offset=y_offset, w_at=weight_at, eps=float(eps))
+    plan.add(key, [params, x, weights, y], (positions,), label=label)
 
 
 def add_rms_norm(plan: Plan, arena: UniformArena, *, x, residual, weights, y, width: int, positions: int,
@@ -47,9 +49,9 @@ def add_rms_norm(plan: Plan, arena: UniformArena, *, x, residual, weights, y, wi
     Workgroups: (T,), 256 invocations. Constants: WIDTH, RESIDUAL_NORM.
     """
     _check_width(label, width)
-    params = arena.add(x_stride or width, residual_stride or width, y_stride or width, weight_at,
-                       residual_weight_at or 0, float(eps), 0, 0)
     key = KernelKey("add_rms_norm", consts=(("WIDTH", width), ("RESIDUAL_NORM", residual_weight_at is not None)))
+    params = arena.struct(key, x_stride=x_stride or width, r_stride=residual_stride or width,
+                          y_stride=y_stride or width, w_at=weight_at, r_w_at=residual_weight_at or 0, eps=float(eps))
     plan.add(key, [params, x, residual, weights, y], (positions,), label=label)
 
 
@@ -65,6 +67,6 @@ def add_bias(plan: Plan, arena: UniformArena, *, y, bias, width: int, positions:
         raise UnsupportedModelError(f"{label}: width {width}")
     groups = -(-width // 256)
     z = -(-groups // 65535)
-    params = arena.add(y_stride or width, y_offset, bias_at, 0)
-    plan.add(KernelKey("add_bias", consts=(("WIDTH", width),)), [params, bias, y],
-             (min(groups, 65535), positions, z), label=label)
+    key = KernelKey("add_bias", consts=(("WIDTH", width),))
+    params = arena.struct(key, y_stride=y_stride or width, y_offset=y_offset, bias_at=bias_at)
+    plan.add(key, [params, bias, y], (min(groups, 65535), positions, z), label=label)

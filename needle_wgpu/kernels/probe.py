@@ -35,9 +35,10 @@ def pool(plan: Plan, arena: UniformArena, step, *, scores, cells, state, tokens,
          probes: int, per_cell: int, cells_count: int) -> None:
     """Fold the chunk's scores [T][C·k] and cells [T][C][d] into the pool state (§7 step 1),
     skipping positions whose token (``tokens`` [context], at step.pos0 + t) is the pad id 0."""
-    params = arena.add(d, positions, probes, per_cell, cells_count * d, inv_sqrt(d), 0, 0)
-    plan.add(cq.KernelKey("probe_pool"), [params, scores, cells, state, step, tokens], (probes,),
-             label="probe_pool")
+    key = cq.KernelKey("probe_pool")
+    params = arena.struct(key, d=d, positions=positions, probes=probes, per_cell=per_cell, cell_stride=cells_count * d,
+                          inv_sqrt_d=inv_sqrt(d))
+    plan.add(key, [params, scores, cells, state, step, tokens], (probes,), label="probe_pool")
 
 
 def unpack_codes(data: bytes, bits: int) -> list:

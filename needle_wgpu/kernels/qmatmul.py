@@ -241,8 +241,8 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     else:
         raise ValueError(f"shape must be 'cpu' or 'gpu', not {shape!r}")
     for part, lo, hi in pieces(pack.parts, row_start, row_start + rows):
-        params = arena.add(hi - lo, lo - part.first, part.side_base, positions, x_stride, x_offset,
-                           y_stride, y_offset + lo - row_start)
+        params = arena.struct(key, rows=hi - lo, row0=lo - part.first, side_base=part.side_base, positions=positions,
+                              x_stride=x_stride, x_offset=x_offset, y_stride=y_stride, y_offset=y_offset + lo - row_start)
         gx, gz = _fold((hi - lo + rows_per_group - 1) // rows_per_group)
         plan.add(key, [params, Binding(part.buffer), x, y], (gx, position_groups, gz),
                  label=f"q_matmul {pack.name}[{lo}:{hi}]")
@@ -263,7 +263,8 @@ def get_rows(plan: Plan, arena: UniformArena, pack: QPack, tokens, out, *, step,
     key = KernelKey("get_rows", consts=_block_consts(pack))
     quad_groups = (pack.cols // 4 + GATHER_QUADS - 1) // GATHER_QUADS
     for part in pack.parts:
-        params = arena.add(part.first, part.rows, pack.rows, part.side_base, out_stride, out_offset,
-                           float(scale), 0)
+        params = arena.struct(key, part_first=part.first, part_rows=part.rows, total_rows=pack.rows,
+                              side_base=part.side_base, out_stride=out_stride, out_offset=out_offset,
+                              scale=float(scale))
         plan.add(key, [params, step, tokens, Binding(part.buffer), out], (quad_groups, positions),
                  label=f"get_rows {pack.name}[{part.first}:]")

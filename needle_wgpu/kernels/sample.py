@@ -145,11 +145,13 @@ def process_logits(plan: Plan, arena: UniformArena, step, *, logits, logits_offs
     else:
         bias = _unmasked(device)
     r = float(sampling.repetition_penalty)
-    params = arena.add(rows, logits_offset, positions, window, len(pairs), f32(1.0 / f32(r)), f32(r),
-                       float(sampling.presence_penalty), float(sampling.frequency_penalty), 0)
+    count = KernelKey("logits_process", entry="count")
+    params = arena.struct(count, rows=rows, logits_offset=logits_offset, positions=positions, window=window,
+                          bias_count=len(pairs), scale_positive=f32(1.0 / f32(r)), scale_negative=f32(r),
+                          presence=float(sampling.presence_penalty), frequency=float(sampling.frequency_penalty),
+                          zero=0)
     bindings = [params, step, logits, tokens, penalty_counts(device, rows), bias]
-    plan.add(KernelKey("logits_process", entry="count"), bindings, (-(-max(window, len(pairs)) // THREADS),),
-             label="logits.count")
+    plan.add(count, bindings, (-(-max(window, len(pairs)) // THREADS),), label="logits.count")
     if window:
         plan.add(KernelKey("logits_process", entry="apply"), bindings[:5], (-(-window // THREADS),), label="logits.apply")
 
@@ -188,33 +190,35 @@ def sample(plan: Plan, arena: UniformArena, step, *, logits, logits_offset: int,
         process_logits(plan, arena, step, logits=logits, logits_offset=logits_offset, rows=rows, tokens=tokens,
                        context=context, positions=positions, sampling=sampling)
     greedy, scale, top_k, p_fixed = sampler_constants(sampling)
-    words = (rows, logits_offset, positions, context, scale, top_k, p_fixed, int(sampling.seed) & U32_MAX,
-             int(greedy))
+    # The members sample.wgsl and sample_staged.wgsl share (the staged passes add groups and digit).
+    settings = dict(rows=rows, logits_offset=logits_offset, positions=positions, context=context, weight_scale=scale,
+                    top_k=top_k, top_p=p_fixed, seed=int(sampling.seed) & U32_MAX, greedy=int(greedy),
+                    min_weight=min_weight(sampling))
     masked = mask is not None
     mask = mask if masked else _unmasked(plan.device)
     if variant == ONE_WORKGROUP:
         key = KernelKey("sample", consts=(("ITEMS", -(-rows // THREADS)), ("MASKED", masked)) + exp_consts())
-        plan.add(key, [arena.add(*words, min_weight(sampling)), step, logits, tokens, result, mask], (1,),
-                 label="sample")
+        plan.add(key, [arena.struct(key, **settings), step, logits, tokens, result, mask], (1,), label="sample")
         return
-    _staged(plan, arena, step, logits, tokens, result, words, scratch or shared_scratch(plan.device, rows),
+    _staged(plan, arena, step, logits, tokens, result, settings, scratch or shared_scratch(plan.device, rows),
             use_top_k=not greedy and 0 < top_k < rows, use_top_p=not greedy and p_fixed < WEIGHT_ONE,
-            mask=mask, masked=masked, min_weight=min_weight(sampling))
+            mask=mask, masked=masked)
 
 
 # How many of sample_staged.wgsl's bindings each entry uses (auto layouts: exactly those).
 _BINDINGS_USED = {"reduce": 3, "count_k": 3, "count_ties": 3, "weigh": 4, "sum_p": 4, "keep": 4, "draw": 7}
 
 
-def _staged(plan, arena, step, logits, tokens, result, words, scratch, *, use_top_k, use_top_p,
-            every_pass=False, mask=None, masked=False, min_weight=0):
+def _staged(plan, arena, step, logits, tokens, result, settings, scratch, *, use_top_k, use_top_p,
+            every_pass=False, mask=None, masked=False):
     """The passes ``sample_staged.wgsl`` describes: only those the settings need, or (tests)
-    ``every_pass``, since each pass also checks the settings itself."""
-    rows, greedy = words[0], words[8]
+    ``every_pass``, since each pass also checks the settings itself. ``settings``: the members
+    of its Params but groups and digit (``sample`` builds them)."""
+    rows, greedy = settings["rows"], settings["greedy"]
     if scratch.rows < rows:
         raise UnsupportedModelError(f"sampler: scratch for {scratch.rows} logits, the row has {rows}")
     groups = -(-rows // SLICE)
-    params = [arena.add(*words, groups, digit, min_weight) for digit in range(4)]
+    params = [arena.struct("sample_staged", **settings, groups=groups, digit=digit) for digit in range(4)]
     bindings = [None, logits, scratch.state, scratch.weights, step, tokens, result]
     mask = mask if mask is not None else _unmasked(plan.device)
 

@@ -16,6 +16,7 @@ from needle_wgpu.formats import cact
 from needle_wgpu.reference import cq as ref_cq
 from needle_wgpu.reference.model import ReferenceModel
 
+from gpu.parity import argmax_mismatches, rel
 from .pages import BUNDLED, banner, ensure_bundled, generate, load_file, request
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -27,15 +28,6 @@ PROMPTS = {
     # Crosses the 64-position prefill chunk, so the second chunk reads a cache the first wrote.
     "chunked": [2] + [int(v) for v in np.random.default_rng(66).integers(4, 512, size=67)],
 }
-
-
-def rel(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / np.sqrt((want ** 2).mean()))
-
-
-def argmax_mismatches(got, want) -> int:
-    return int((np.asarray(got).argmax(-1) != np.asarray(want).argmax(-1)).sum())
 
 
 def browser_logits(page, ids) -> np.ndarray:

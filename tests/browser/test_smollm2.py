@@ -20,17 +20,13 @@ import needle_wgpu
 from needle_wgpu.chat.template import render_chatml
 from needle_wgpu.reference.dense import DenseReference
 
+from gpu.parity import rel
 from .pages import ARTIFACTS, SMOLLM2, chat_turn, ensure_bundled, load_bundled, request
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 GATE = 1e-4
 PROMPT = "The capital city of France is"  # 6 ids (SmolLM2 adds no BOS)
-
-
-def rel(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / np.sqrt((want ** 2).mean()))
 
 
 @pytest.fixture(scope="module")

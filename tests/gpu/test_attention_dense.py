@@ -15,7 +15,7 @@ from needle_wgpu.kernels.attention import AttentionShape
 from needle_wgpu.reference import attention as ref
 from needle_wgpu.reference.dense_attention import position_heads
 
-from .test_attention import GATE, LONG_GATE, download, fill_cache, read_cache, rel, upload
+from .parity import GATE, LONG_GATE, download, fill_cache, read_cache, rel, run_attention, upload
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32
@@ -190,14 +190,8 @@ def test_dense_attention_long_span(device, window):
     v = rng.normal(size=(N, 2, 64)).astype(F32)
     q = (rng.normal(size=(T, 8, 64)) * 6.0).astype(F32)
     fill_cache(device, cache, (k[kept], v[kept]), kept)
-    q_buf = upload(device, q.reshape(T, -1), "q")
-    o = device.buffer(4 * T * shape.out_width, label="o")
-    step = device.buffer(16, label="step", usage="uniform", data=np.array([pos0, 0, 0, 0], np.uint32).tobytes())
-    arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, "attention")
-    ops.attention(plan, arena, Binding(step), shape=shape, q=q_buf, cache=cache, o=o, positions=T)
-    device.run(plan)
     want = ref.attend(q, pos0 + np.arange(T), (k, v), positions, window or N).reshape(T, -1)
-    assert rel(download(device, o, (T, shape.out_width)), want) <= LONG_GATE
+    assert rel(run_attention(device, shape, cache, q, pos0), want) <= LONG_GATE
 
 
 def test_shape_checks(device):

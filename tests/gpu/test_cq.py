@@ -11,6 +11,8 @@ from needle_wgpu.gpu import Plan, UniformArena, open_device
 from needle_wgpu.kernels import cq
 from needle_wgpu.reference import cq as ref_cq
 
+from .parity import rel
+
 pytestmark = pytest.mark.gpu
 GATE = 1e-5  # f32 sums in a different order than the reference: a few ulps of the row norm
 
@@ -70,10 +72,6 @@ def variant(request, device):
     device.software_rasterizer = request.param == "rowwise"
     yield device
     device.software_rasterizer = saved
-
-
-def rel(got, want):
-    return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
 
 
 @pytest.mark.parametrize("bits", [cact.BINARY, 2, 3, 4, cact.TERNARY])

@@ -15,14 +15,11 @@ from needle_wgpu.reference.dense import DenseReference
 from needle_wgpu.sampling import Sampling
 from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
+from .parity import rel
+
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ([1, 17, 300, 42, 9, 5000, 77], [2, 2, 2, 2], [1] + list(range(100, 170)))  # the last spans two chunks
-
-
-def relative(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    return float(np.max(np.abs(ours - theirs)) / np.sqrt(np.mean(theirs ** 2)))
 
 
 def assert_parity(model, reference, prompts, gate=1e-4):
@@ -30,7 +27,7 @@ def assert_parity(model, reference, prompts, gate=1e-4):
         ours = np.array(model.logits(ids, context=len(ids)), np.float32)
         theirs = reference.logits(ids)
         assert ours.shape == theirs.shape
-        assert relative(ours, theirs) <= gate, (ids[:5], relative(ours, theirs))
+        assert rel(ours, theirs) <= gate, (ids[:5], rel(ours, theirs))
         assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all()
 
 
@@ -112,7 +109,7 @@ def test_f16_kv_cache_stays_within_half_precision(synthetic, device):
     ids = [i % model.geometry.vocab for i in PROMPTS[0]]
     ours = np.array(model.logits(ids, kv="f16", context=len(ids)), np.float32)
     theirs = reference.logits(ids)
-    assert 0 < relative(ours, theirs) <= 5e-3
+    assert 0 < rel(ours, theirs) <= 5e-3
     assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all()
     f32, f16 = (model.gpu.session(context=64, kv=kv) for kv in ("f32", "f16"))
     assert sum(c.nbytes for c in f16.caches) * 2 == sum(c.nbytes for c in f32.caches)

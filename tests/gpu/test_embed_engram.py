@@ -18,13 +18,11 @@ from needle_wgpu.kernels.params import Fp16Store
 from needle_wgpu.reference import cq as ref_cq, engram as ref_engram, mhc as ref_mhc, ops as ref_ops
 from needle_wgpu.reference.weights import float_array
 
+from .parity import rel
+
 pytestmark = pytest.mark.gpu
 F32 = np.float32
 GATE = 1e-5  # max|d| / RMS(ref): f32 sums in another order than NumPy (a few ulps)
-
-
-def rel(got, want):
-    return float(np.abs(got - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
 
 
 class Gpu:

@@ -17,7 +17,7 @@ import needle_wgpu
 from needle_wgpu import default_model
 from needle_wgpu.reference.dense import DenseReference
 
-from gpu.test_dense_model import relative
+from gpu.parity import rel
 from test_dense_reference import KL_SMOLLM2, KL_SMOLLM2_ONE, SPEC_PROMPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -78,7 +78,7 @@ def test_every_position_matches_the_reference(engine_logits, reference):
     for ids, ours in engine_logits.items():
         theirs = reference.logits(ids)
         assert ours.shape == theirs.shape == (len(ids), 262144)
-        assert relative(ours, theirs) <= 1e-4, (ids[:5], relative(ours, theirs))
+        assert rel(ours, theirs) <= 1e-4, (ids[:5], rel(ours, theirs))
         assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all()
 
 

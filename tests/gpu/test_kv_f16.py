@@ -21,7 +21,7 @@ from needle_wgpu.kernels.attention import AttentionShape
 from needle_wgpu.reference import attention as ref
 from needle_wgpu.reference.dense_attention import kv_f16
 
-from .test_attention import GATE, LONG_GATE, download, fill_cache, rel, upload
+from .parity import GATE, LONG_GATE, fill_cache, rel, run_attention
 from .test_attention_dense import SHAPES, Layer, Runner, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -146,13 +146,7 @@ def attend_filled(device, shape, mode, entries, positions, pos0, q):
     cache = ops.KvCache(device, shape, pos0 + T, chunk=T, mode=mode)
     kept = positions[positions >= pos0 + T - cache.slots]
     fill_cache(device, cache, tuple(e[kept] for e in entries), kept)
-    q_buf = upload(device, q.reshape(T, -1), "q")
-    o = device.buffer(4 * T * shape.out_width, label="o")
-    step = device.buffer(16, label="step", usage="uniform", data=np.array([pos0, 0, 0, 0], np.uint32).tobytes())
-    arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, "attention")
-    ops.attention(plan, arena, Binding(step), shape=shape, q=q_buf, cache=cache, o=o, positions=T)
-    device.run(plan)
-    return download(device, o, (T, shape.out_width))
+    return run_attention(device, shape, cache, q, pos0)
 
 
 @pytest.mark.parametrize("shape", [AttentionShape(8, 2, 64, 64, window=1024), AttentionShape(8, 2, 64, 64),

@@ -8,20 +8,13 @@ from needle_wgpu.gpu import open_device
 from needle_wgpu.reference.model import ReferenceModel
 from needle_wgpu.sampling import Sampling
 
+from .parity import argmax_mismatches, rel
+
 pytestmark = pytest.mark.gpu
 
 LEN7 = [2, 242, 262, 386, 486, 17, 73]
 LEN40 = [2, 421, 485, 127, 159, 444, 216, 139, 423, 131, 209, 329, 281, 43, 14, 443, 385, 428, 275, 418,
          168, 231, 403, 63, 155, 63, 232, 500, 68, 196, 206, 462, 104, 257, 134, 10, 384, 31, 143, 255]
-
-
-def rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / np.sqrt((want ** 2).mean()))
-
-
-def argmax_mismatches(got, want):
-    return int((np.asarray(got).argmax(-1) != np.asarray(want).argmax(-1)).sum())
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from needle_wgpu.kernels import moe, qmatmul
 from needle_wgpu.reference import qmatmul as ref
 from needle_wgpu.reference.dense import MoeWeights, matmul, moe_ffn, moe_route, silu
 
-from .test_attention import GATE, download, rel, upload
+from .parity import GATE, download, rel, upload
 from .test_qmatmul import random_tensor
 
 pytestmark = pytest.mark.gpu

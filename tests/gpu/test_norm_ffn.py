@@ -8,7 +8,7 @@ from needle_wgpu.gpu import Plan, UniformArena
 from needle_wgpu.kernels import ffn, norm
 from needle_wgpu.reference.ops import gelu_gated, rms_norm, swiglu
 
-from .test_attention import GATE, download, rel, upload
+from .parity import GATE, download, rel, upload
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32

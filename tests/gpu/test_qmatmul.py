@@ -19,6 +19,8 @@ from needle_wgpu.gpu import Plan, UniformArena, open_device
 from needle_wgpu.kernels import qmatmul
 from needle_wgpu.reference import qmatmul as ref
 
+from .parity import rel
+
 pytestmark = pytest.mark.gpu
 # f32 sums in a different order than the float64 reference: a few ulps of the output RMS.
 GATE = 1e-5
@@ -50,10 +52,6 @@ def random_tensor(rng, qtype, rows, cols) -> bytes:
         blocks[:, 0:2] = rng.uniform(0.001, 0.003, size=(n, 1)).astype("<f2").view(np.uint8)
         blocks[:, 2:4] = rng.uniform(0.0005, 0.0015, size=(n, 1)).astype("<f2").view(np.uint8)
     return blocks.tobytes()
-
-
-def rel(got, want):
-    return float(np.abs(got.astype(np.float64) - want).max() / np.sqrt((want.astype(np.float64) ** 2).mean()))
 
 
 def run_matmul(device, pack, x, *, shape, gemm, row_start=0, rows=None, x_pad=4, y_pad=3, y_init=None):

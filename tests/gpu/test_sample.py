@@ -326,11 +326,12 @@ def test_every_pass_in_the_plan_gives_the_same_ids(sampler, device):
     for s in settings_for(20000)[:4]:
         s = with_seed(s, 17)
         greedy, scale, top_k, p_fixed = sampler_constants(s)
-        words = (20000, 0, 1, CONTEXT, scale, top_k, p_fixed, s.seed, int(greedy))
+        settings = dict(rows=20000, logits_offset=0, positions=1, context=CONTEXT, weight_scale=scale, top_k=top_k,
+                        top_p=p_fixed, seed=s.seed, greedy=int(greedy), min_weight=0)
         sampler.arena.used = 0
         plan = Plan(device, "all passes")
         sample_ops._staged(plan, sampler.arena, sampler.step, sampler.logits, sampler.tokens, sampler.result,
-                           words, scratch, use_top_k=False, use_top_p=False, every_pass=True)
+                           settings, scratch, use_top_k=False, use_top_p=False, every_pass=True)
         assert len(plan) == 12
         assert sampler.run(plan).id == reference_id(x, s, 11) == sampler.draw(s, STAGED).id
 

@@ -4,7 +4,7 @@
 // reference (reference.ops.fake_quant). Included by kernels that hold one position's vector in
 // `fwht_buf` and call it from uniform control flow with all `threads` invocations. The max is
 // an atomicMax of the bit patterns (non-negative f32 order as u32), so it is exact in any order.
-//#include div_rn.wgsl
+//#include include/div_rn.wgsl
 
 var<workgroup> act_quant_max: atomic<u32>;
 
