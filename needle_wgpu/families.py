@@ -2,7 +2,7 @@
 
 A family is a module with ``sniff(head) -> bool``, ``read(source)`` (parse and validate the
 file, no GPU), ``open(parsed, device, progress, numerics[, depth]) -> GpuModel``, ``describe(parsed) -> dict``
-and ``NUMERICS`` (the numerics it runs, ``needle_wgpu.numerics``);
+and ``NUMERICS`` (the numerics it runs: "float", and for Needle 3 "deploy", ``models.needle3_numerics``);
 ``api.Model`` drives the GpuModel.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from .errors import DepthError
 from .formats.source import Source
 from .models import dense, needle3
+from .models.needle3_numerics import choice
 
 FAMILIES = {"needle3": needle3, "dense": dense}
 
@@ -34,12 +35,10 @@ def family_of(source):
 
 def open_gpu_model(source, device=None, progress=None, numerics="float", depth=None):
     """Read, validate and upload a model file; ``device`` defaults to the native one.
-    ``numerics`` ("float" or "deploy", ``needle_wgpu.numerics``) is checked before anything is read;
+    ``numerics`` ("float" or "deploy", ``needle_wgpu.models.needle3_numerics``) is checked before anything is read;
     a family that has only float numerics refuses "deploy" with ``UnsupportedModelError``.
     ``depth`` (None: the file's own) is for families with an elastic-depth ladder (Needle 3);
     any other family refuses it with ``DepthError``."""
-    from .numerics import choice
-
     numerics = choice(numerics)
     family = family_of(source)
     parsed = family.read(source)  # a bad file fails before any device is opened

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from .formats.cact_writer import Record, write_cact
-from .formats.geometry import Needle3Geometry
-from .formats.tokenizer import synthetic_tokenizer_blob
+from .formats.needle3_geometry import Needle3Geometry
+from .formats.needle3_tokenizer import synthetic_tokenizer_blob
 from .sampling import saturate_seed
 
 GROUP = 128

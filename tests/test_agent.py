@@ -12,7 +12,7 @@ from needle_wgpu.models.protocols import Capabilities
 from needle_wgpu import Agent, InputError, tool
 from needle_wgpu.api import Model
 from needle_wgpu.errors import ContextFullError, UnsupportedModelError
-from needle_wgpu.formats.tokenizer import synthetic_tokenizer
+from needle_wgpu.formats.needle3_tokenizer import synthetic_tokenizer
 from needle_wgpu.chat.needle3 import Needle3Chat, prompt_ids
 
 TOKENIZER = synthetic_tokenizer(512)

@@ -16,7 +16,7 @@ from needle_wgpu import constants
 from needle_wgpu.kernels import attention as attention_ops
 from needle_wgpu.kernels import cq as cq_ops
 from needle_wgpu.reference import ops as ref_ops
-from needle_wgpu.reference.cq import level_table
+from needle_wgpu.reference.needle3.cq import level_table
 
 
 def _bits(x: float) -> int:

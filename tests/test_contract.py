@@ -25,7 +25,7 @@ from needle_wgpu.engine import GenerationResult, Needle3
 from needle_wgpu.errors import (ContainerError, ContextFullError, DeviceError, DeviceLimitError, DeviceLostError,
                                 InputError, NeedleError, OutOfMemoryError, UnsupportedModelError)
 from needle_wgpu.formats import cact
-from needle_wgpu.formats.tokenizer import Tokenizer, synthetic_tokenizer
+from needle_wgpu.formats.needle3_tokenizer import Tokenizer, synthetic_tokenizer
 from needle_wgpu.inputs import real_number, whole_number
 from needle_wgpu.models.session import clamp_context
 from needle_wgpu.sampling import U32_MAX, Sampling, as_u32, clamp_budget, clamp_count, saturate_ids, saturate_seed
@@ -541,7 +541,7 @@ def test_context_rule(context, expected):
 
 def test_reference_prefill_chunk_saturates():
     np = pytest.importorskip("numpy")
-    from needle_wgpu.reference.model import ReferenceModel
+    from needle_wgpu.reference.needle3.model import ReferenceModel
 
     reference = ReferenceModel(synthesize("tiny", 0))
     ids = [2, 17, 300, 5, 9]

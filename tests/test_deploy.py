@@ -18,7 +18,7 @@ import pytest
 
 from needle_wgpu.errors import InputError, UnsupportedModelError
 from needle_wgpu.formats import cact
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.model import ReferenceModel
 from needle_wgpu.reference.ops import cq_fake_quant, fwht
 
 from upstream_fixtures import NAMES, SEQUENCES, oracle, upstream_file
@@ -156,7 +156,8 @@ def test_deploy_rounding_is_discontinuous(monkeypatch):
     ~1e-6 of their RMS but the deploy path's by thousands of times more on len40 (measured 2.6e-6
     vs 5.4e-3): a few A8 values near a .5 round the other way. Upstream's XLA sums are yet another
     order, so no f32 implementation can promise less than such flips against logits_quant."""
-    from needle_wgpu.reference import attention, cq, hada_mlp, ops
+    from needle_wgpu.reference import ops
+    from needle_wgpu.reference.needle3 import attention, cq, hada_mlp
 
     path = upstream_file("small")
     ids = oracle("small")["len40.ids"]

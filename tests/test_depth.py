@@ -6,7 +6,7 @@ import pytest
 
 from needle_wgpu.errors import DepthError, InputError
 from needle_wgpu.models.ladder import check_depth, ladder_order, rung
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.model import ReferenceModel
 from needle_wgpu.synth import GEOMETRIES
 
 from upstream_fixtures import SEQUENCES, logit_error, oracle, upstream_file

@@ -25,8 +25,8 @@ from needle_wgpu.errors import NeedleError
 from needle_wgpu.formats import cact
 from needle_wgpu.formats.dense_geometry import DenseGeometry
 from needle_wgpu.formats.gguf import open_gguf
-from needle_wgpu.formats import tokenizer as tok
-from needle_wgpu.formats.tokenizer import Tokenizer, synthetic_tokenizer_blob
+from needle_wgpu.formats import needle3_tokenizer as tok
+from needle_wgpu.formats.needle3_tokenizer import Tokenizer, synthetic_tokenizer_blob
 from needle_wgpu.synth import synthesize
 
 CACT_CASES_PER_BASE = 600  # two bases: 1200 containers per run

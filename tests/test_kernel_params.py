@@ -151,7 +151,7 @@ def _splatted(module: ast.Module, name: str) -> set:
 def struct_calls():
     """(op file, line, families, struct name, member names) of every ``arena.struct`` call in the ops."""
     calls = []
-    for path in sorted(KERNELS.glob("*.py")):
+    for path in sorted(KERNELS.rglob("*.py")):
         module = ast.parse(path.read_text())
         for function in [n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)]:
             for call in ast.walk(function):

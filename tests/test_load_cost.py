@@ -12,8 +12,8 @@ import pytest
 from needle_wgpu import synth
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.formats import cact
-from needle_wgpu.formats.tokenizer import HEADER, RECORD, USER_DEFINED, Tokenizer, synthetic_tokenizer
-from needle_wgpu.kernels.probe import MAX_HOST_WORK, ConfidenceHead, dequantize_row, unpack_codes
+from needle_wgpu.formats.needle3_tokenizer import HEADER, RECORD, USER_DEFINED, Tokenizer, synthetic_tokenizer
+from needle_wgpu.kernels.needle3.probe import MAX_HOST_WORK, ConfidenceHead, dequantize_row, unpack_codes
 
 # Pure-Python parsing runs at several MB/s on a slow CPU (record-dense tokenizer blobs at
 # ~3 MB/s); these bounds leave 5-10x room.

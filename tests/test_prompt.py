@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from needle_wgpu.errors import InputError
-from needle_wgpu.formats.tokenizer import synthetic_tokenizer
+from needle_wgpu.formats.needle3_tokenizer import synthetic_tokenizer
 from needle_wgpu.chat.needle3 import (Completion, build_prompt, compact_tools_json, parse_completion,
                                 prompt_ids)
 

@@ -9,7 +9,8 @@ import pytest
 
 from needle_wgpu.errors import ContextFullError, InputError, NeedleError, UnsupportedModelError
 from needle_wgpu.reference import KVCache, KvPrecision, ReferenceModel, saturate_ids
-from needle_wgpu.reference import attention, cq, engram, hada_mlp, heads, mhc, ops
+from needle_wgpu.reference import ops
+from needle_wgpu.reference.needle3 import attention, cq, engram, hada_mlp, heads, mhc
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "needle3"
 F32 = np.float32

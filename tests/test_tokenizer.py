@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from needle_wgpu.errors import ContainerError, InputError
 from needle_wgpu.formats import cact
-from needle_wgpu.formats.tokenizer import (BYTE, CONTROL, MARKERS, NORMAL, UNKNOWN, USER_DEFINED,
+from needle_wgpu.formats.needle3_tokenizer import (BYTE, CONTROL, MARKERS, NORMAL, UNKNOWN, USER_DEFINED,
                                           Tokenizer, synthetic_tokenizer,
                                           synthetic_tokenizer_blob)
 

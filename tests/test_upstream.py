@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from needle_wgpu.formats import cact
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.model import ReferenceModel
 
 from upstream_fixtures import NAMES, SEQUENCES, logit_error, oracle, upstream_file
 
@@ -57,7 +57,7 @@ def test_pad_positions_leave_the_probe_softmax():
     whole-sequence formula with those positions dropped, and differs from keeping them."""
     model = ReferenceModel(cact.load(upstream_file("small")))
     ids = [2, 17, 0, 40, 0, 9]
-    from needle_wgpu.reference.heads import probe_logit
+    from needle_wgpu.reference.needle3.heads import probe_logit
     cells = model.forward_cells(ids)
     head = model.weights.confidence
     kept = probe_logit(cells, head, np.array(ids) != 0)
@@ -94,7 +94,7 @@ def test_heads_of_any_size():
     whole-sequence formula for every head, and the outputs have their own widths."""
     from upstream_fixtures import variant
 
-    from needle_wgpu.reference.heads import probe_output
+    from needle_wgpu.reference.needle3.heads import probe_output
 
     model = ReferenceModel(cact.load(variant("odd-heads")))
     ids = np.array([2, 17, 40, 9, 300, 12, 7], np.uint32)
@@ -112,7 +112,7 @@ def test_binary_cq_matches_its_dense_matrix():
     the product with the dequantised matrix."""
     from needle_wgpu.formats.cact_writer import Record
     from needle_wgpu.formats.cq_codec import cq_decode, levels_for
-    from needle_wgpu.reference import cq
+    from needle_wgpu.reference.needle3 import cq
 
     rng = np.random.default_rng(3)
     w = rng.normal(0, 1, (16, 256)).astype(np.float32)

@@ -20,7 +20,7 @@ TOOLS = [{"name": "set_timer", "parameters": {"type": "object", "properties": {
 
 
 def vocabularies():
-    from needle_wgpu.formats.tokenizer import synthetic_tokenizer
+    from needle_wgpu.formats.needle3_tokenizer import synthetic_tokenizer
 
     yield "needle (8,192, synthetic)", lambda: Vocabulary.of_tokenizer(synthetic_tokenizer(8192), eos_ids=(1, 5))
     try:

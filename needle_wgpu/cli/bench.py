@@ -101,7 +101,7 @@ def run_benchmark(args) -> dict:
 
 def _reference_speed(path, prompt, decode_tokens) -> dict:
     """The NumPy reference on the same prompt: batched prefill, then cached decode steps."""
-    from ..reference.model import ReferenceModel
+    from ..reference.needle3.model import ReferenceModel
 
     reference = ReferenceModel.from_path(path)
     cache = reference.new_cache()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ContainerError, UnsupportedModelError
 from ..inputs import checked
-from .geometry import Needle3Geometry
+from .needle3_geometry import Needle3Geometry
 from .source import read_source
 
 TAG_V3 = 0x05E12A84

@@ -25,7 +25,7 @@ from . import cact
 from .cact import (BLOB_ALIGN, CQ, DTYPE_NAMES, FP16, FP32, HEAD_CODES, HEADER, RAW, RECORD, CactFile,
                    align, cq_blob_bytes, head_canon, model_canon)
 from .cq_codec import LLOYD_MAX_CODEBOOK, cq_encode, levels_for
-from .geometry import Needle3Geometry
+from .needle3_geometry import Needle3Geometry
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ cache, the gate part of qkvg -> o = attention ⊙ σ(g)). Prefill chunks and dec
 use the same kernels, so a position's K/V and output do not depend on how the sequence was
 chunked.
 
-Reference functions: ``reference.ops.causal_conv``, ``reference.attention.position_heads``
+Reference functions: ``reference.ops.causal_conv``, ``reference.needle3.attention.position_heads``
 (head_norm + rope), ``reference.ops.fake_quant`` / ``quantize_rows`` (int8 mode),
-``reference.attention.attend`` (``attend_one`` / ``attend_one_int8``) and ``ops.sigmoid``; the
+``reference.needle3.attention.attend`` (``attend_one`` / ``attend_one_int8``) and ``ops.sigmoid``; the
 dense family's ``qk_rope``: ``reference.dense_attention.position_heads`` and ``kv_f16`` (f16 mode).
 """
 

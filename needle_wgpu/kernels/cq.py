@@ -1,6 +1,6 @@
 """CQ weights on the GPU (spec §5): upload in quantised form, prepare activations, matmul.
 
-Reference functions: ``needle_wgpu.reference.cq.prepare_input`` and ``matmul_prepared``.
+Reference functions: ``needle_wgpu.reference.needle3.cq.prepare_input`` and ``matmul_prepared``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import operator
 from dataclasses import dataclass, replace
 
 from ..errors import DepthError
-from ..formats.geometry import Needle3Geometry
+from ..formats.needle3_geometry import Needle3Geometry
 
 
 def ladder_order(layers: int) -> tuple:

@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import copy
 
-from .. import numerics as numerics_rules
+from . import needle3_numerics as numerics_rules
 from ..constants import kv_cq_levels
 from ..errors import InputError, NeedleError, NonFiniteWeightsError, UnsupportedModelError
 from ..formats import cact
 from ..formats.cact import CactFile
-from ..formats.tokenizer import Tokenizer
+from ..formats.needle3_tokenizer import Tokenizer
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..inputs import checked_methods, flag
 from ..kernels import attention as attention_ops
-from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
-from ..kernels import probe as probe_ops
+from ..kernels import cq
+from ..kernels.needle3 import embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
+from ..kernels.needle3 import probe as probe_ops
 from ..kernels import sample as sample_ops
-from ..kernels.params import Fp16Store, permutation_words
+from ..kernels.needle3.fp16_store import Fp16Store, permutation_words
 from ..chat.needle3 import Needle3Chat
 from .needle3_support import check_supported, widest_row_bytes
 from .ladder import Rung, full_rung, rung
@@ -191,7 +192,7 @@ class Needle3Gpu:
         """A session; ``confidence`` (or ``heads``, manifest codes) runs those probe heads'
         pools alongside every chunk of prefill and decode (§7). ``kv``: None (float numerics:
         "f32"; deploy: the header's kv_bits), "f32" or "int8", and under deploy numerics also
-        "cq2", "cq3", "cq4" (``needle_wgpu.numerics.kv_mode``). ``pad_masked``: every
+        "cq2", "cq3", "cq4" (``needle_wgpu.models.needle3_numerics.kv_mode``). ``pad_masked``: every
         pad-dependent term is masked as in upstream's hidden cells (§U a), for the heads' pass."""
         if self.cact.nonfinite:
             raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")

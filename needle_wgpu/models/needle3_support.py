@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from ..errors import DeviceLimitError
 from ..formats.cact import CactFile
-from ..formats.geometry import Needle3Geometry
+from ..formats.needle3_geometry import Needle3Geometry
 from ..gpu.device import Limits
 from ..kernels import attention as attention_ops
-from ..kernels import cq, embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
+from ..kernels import cq
+from ..kernels.needle3 import embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
 from ..kernels import sample as sample_ops
 
 F32 = 4

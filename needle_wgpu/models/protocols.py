@@ -29,6 +29,6 @@ class Capabilities:
     heads: frozenset = frozenset()  # probe heads the file has (Needle 3 manifest codes: 1 embedding, 3 router)
     confidence: bool = False  # a confidence head whose host finish fits the budget (§7)
     depth_ladder: bool = False  # elastic depth (Needle 3 §10): rungs over the same weights, speculative drafts
-    numerics: tuple = ("float",)  # the numerics it runs (needle_wgpu.numerics)
+    numerics: tuple = ("float",)  # the numerics it runs (needle_wgpu.models.needle3_numerics)
     mask: bool = False  # constrained decoding: the sampler takes an allowed-id mask
     verify: bool = False  # speculative verify: a sampler after every position of a chunk

@@ -4,7 +4,7 @@ Every GPU kernel is parity-tested against one of these functions; `ReferenceMode
 them together into the whole model.
 """
 
-from .cache import KVCache, KvPrecision
-from .model import ReferenceModel, saturate_ids
+from .needle3.cache import KVCache, KvPrecision
+from .needle3.model import ReferenceModel, saturate_ids
 
 __all__ = ["ReferenceModel", "KVCache", "KvPrecision", "saturate_ids"]

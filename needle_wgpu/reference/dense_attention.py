@@ -1,7 +1,7 @@
 """The dense family's attention inputs in NumPy float32 (dense spec §3): biases, q/k norms, RoPE.
 
 ``position_heads`` is the reference of ``kernels.attention.qk_rope``; the attention itself is
-``reference.attention.attend`` (GQA, window, ``scale``), as for Needle 3 without the gate.
+``reference.needle3.attention.attend`` (GQA, window, ``scale``), as for Needle 3 without the gate.
 The layer is described by the same ``AttentionShape`` the GPU op takes. An f16 K/V cache is
 ``attend`` over ``kv_f16`` of the keys and values.
 """

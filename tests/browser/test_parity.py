@@ -13,8 +13,8 @@ import pytest
 
 from needle_wgpu.engine import Needle3
 from needle_wgpu.formats import cact
-from needle_wgpu.reference import cq as ref_cq
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3 import cq as ref_cq
+from needle_wgpu.reference.needle3.model import ReferenceModel
 
 from gpu.parity import argmax_mismatches, rel
 from .pages import BUNDLED, banner, ensure_bundled, generate, load_file, request

@@ -17,10 +17,10 @@ from needle_wgpu.errors import DeviceLimitError
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Binding, Plan, UniformArena
 from needle_wgpu.kernels import attention as ops
-from needle_wgpu.kernels.params import Fp16Store
-from needle_wgpu.reference import attention as ref
+from needle_wgpu.kernels.needle3.fp16_store import Fp16Store
+from needle_wgpu.reference.needle3 import attention as ref
 from needle_wgpu.reference.ops import causal_conv, fake_quant, quantize_rows, rope_frequencies, sigmoid
-from needle_wgpu.reference.weights import load_weights
+from needle_wgpu.reference.needle3.weights import load_weights
 
 from .parity import F32, GATE, LONG_GATE, download, fill_cache, read_cache, rel, run_attention, upload
 

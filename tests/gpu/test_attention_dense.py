@@ -12,7 +12,7 @@ from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.gpu import Binding, Plan, UniformArena
 from needle_wgpu.kernels import attention as ops
 from needle_wgpu.kernels.attention import AttentionShape
-from needle_wgpu.reference import attention as ref
+from needle_wgpu.reference.needle3 import attention as ref
 from needle_wgpu.reference.dense_attention import position_heads
 
 from .parity import GATE, LONG_GATE, download, fill_cache, read_cache, rel, run_attention, upload

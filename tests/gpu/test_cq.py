@@ -9,7 +9,7 @@ from needle_wgpu.errors import DeviceLimitError
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Plan, UniformArena, open_device
 from needle_wgpu.kernels import cq
-from needle_wgpu.reference import cq as ref_cq
+from needle_wgpu.reference.needle3 import cq as ref_cq
 
 from .parity import rel
 

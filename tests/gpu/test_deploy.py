@@ -20,7 +20,7 @@ from needle_wgpu.engine import Needle3
 from needle_wgpu.errors import InputError, UnsupportedModelError
 from needle_wgpu.formats import cact
 from needle_wgpu.formats.cact_writer import records_of, write_cact
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.model import ReferenceModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_deploy import ORACLE_KV, errors  # noqa: E402

@@ -97,7 +97,7 @@ def test_logits_command_at_a_depth(capsys):
 def test_rungs_of_valid_variants_match_the_reference(device, kind, depth):
     """A rung runs only its kept Engram sites, each a band of the stored key/value pack (here
     of several CQ widths): GPU against the NumPy reference at the same depth."""
-    from needle_wgpu.reference.model import ReferenceModel
+    from needle_wgpu.reference.needle3.model import ReferenceModel
     from upstream_fixtures import variant
 
     data = variant(kind)

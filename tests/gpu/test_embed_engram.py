@@ -13,10 +13,12 @@ import pytest
 from needle_wgpu.errors import DeviceLimitError
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Plan, UniformArena, open_device
-from needle_wgpu.kernels import cq, embed as embed_ops, engram as engram_ops
-from needle_wgpu.kernels.params import Fp16Store
-from needle_wgpu.reference import cq as ref_cq, engram as ref_engram, mhc as ref_mhc, ops as ref_ops
-from needle_wgpu.reference.weights import float_array
+from needle_wgpu.kernels import cq
+from needle_wgpu.kernels.needle3 import embed as embed_ops, engram as engram_ops
+from needle_wgpu.kernels.needle3.fp16_store import Fp16Store
+from needle_wgpu.reference import ops as ref_ops
+from needle_wgpu.reference.needle3 import cq as ref_cq, engram as ref_engram, mhc as ref_mhc
+from needle_wgpu.reference.needle3.weights import float_array
 
 from .parity import rel
 

@@ -1,7 +1,7 @@
 """The dense family's f16 K/V cache: qk_rope writing it, attention reading it (dense spec §3).
 
 qk_rope stores each K/V value saturated to ±65504 and rounded to the nearest half, ties to even;
-attention widens the halves back to f32. The reference is ``reference.attention.attend`` over
+attention widens the halves back to f32. The reference is ``reference.needle3.attention.attend`` over
 ``reference.dense_attention.kv_f16`` of the keys and values. Rounding is checked bit for bit on
 values that reach the cache unchanged (``test_f16_rounding_exact``) and, after norms and RoPE,
 against the f32 cache's values of the same positions (the kernel is the same up to the store,
@@ -18,7 +18,7 @@ from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.gpu import Binding, Plan, UniformArena
 from needle_wgpu.kernels import attention as ops
 from needle_wgpu.kernels.attention import AttentionShape
-from needle_wgpu.reference import attention as ref
+from needle_wgpu.reference.needle3 import attention as ref
 from needle_wgpu.reference.dense_attention import kv_f16
 
 from .parity import GATE, LONG_GATE, fill_cache, rel, run_attention

@@ -13,8 +13,8 @@ from needle_wgpu import synth
 from needle_wgpu.engine import Needle3
 from needle_wgpu.errors import NonFiniteWeightsError, UnsupportedModelError
 from needle_wgpu.formats import cact
-from needle_wgpu.formats.geometry import Needle3Geometry
-from needle_wgpu.formats.tokenizer import synthetic_tokenizer_blob
+from needle_wgpu.formats.needle3_geometry import Needle3Geometry
+from needle_wgpu.formats.needle3_tokenizer import synthetic_tokenizer_blob
 from needle_wgpu.gpu.device import UniformArena
 
 pytestmark = pytest.mark.gpu

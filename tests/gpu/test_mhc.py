@@ -12,14 +12,14 @@ import pytest
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Plan, UniformArena
-from needle_wgpu.kernels import mhc
+from needle_wgpu.kernels.needle3 import mhc
 from needle_wgpu.gpu.device import Binding
-from needle_wgpu.kernels.params import Fp16Store, Fp16Window
-from needle_wgpu.reference import cq as ref_cq
-from needle_wgpu.reference import engram as ref_engram
-from needle_wgpu.reference import mhc as ref_mhc
+from needle_wgpu.kernels.needle3.fp16_store import Fp16Store, Fp16Window
+from needle_wgpu.reference.needle3 import cq as ref_cq
+from needle_wgpu.reference.needle3 import engram as ref_engram
+from needle_wgpu.reference.needle3 import mhc as ref_mhc
 from needle_wgpu.reference.ops import zc_rms_norm
-from needle_wgpu.reference.weights import load_weights
+from needle_wgpu.reference.needle3.weights import load_weights
 
 from .parity import download, rel, upload
 

@@ -11,14 +11,14 @@ import pytest
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import Plan, UniformArena
-from needle_wgpu.kernels import mhc, mlp
+from needle_wgpu.kernels.needle3 import mhc, mlp
 from needle_wgpu.gpu.device import Binding
-from needle_wgpu.kernels.params import Fp16Store, Fp16Window, permutation_words
-from needle_wgpu.reference import attention as ref_attention
-from needle_wgpu.reference import mhc as ref_mhc
-from needle_wgpu.reference.hada_mlp import HadaParams, hada_mlp
+from needle_wgpu.kernels.needle3.fp16_store import Fp16Store, Fp16Window, permutation_words
+from needle_wgpu.reference.needle3 import attention as ref_attention
+from needle_wgpu.reference.needle3 import mhc as ref_mhc
+from needle_wgpu.reference.needle3.hada_mlp import HadaParams, hada_mlp
 from needle_wgpu.reference.ops import sinkhorn, zc_rms_norm
-from needle_wgpu.reference.weights import load_weights
+from needle_wgpu.reference.needle3.weights import load_weights
 
 from .parity import download, rel, upload
 

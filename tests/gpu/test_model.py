@@ -5,7 +5,7 @@ import pytest
 
 from needle_wgpu.engine import Needle3
 from needle_wgpu.gpu import open_device
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.model import ReferenceModel
 from needle_wgpu.sampling import Sampling
 
 from .parity import argmax_mismatches, rel

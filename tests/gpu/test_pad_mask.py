@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from needle_wgpu.engine import Needle3
-from needle_wgpu.reference.heads import CONFIDENCE
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.heads import CONFIDENCE
+from needle_wgpu.reference.needle3.model import ReferenceModel
 
 pytestmark = pytest.mark.gpu
 

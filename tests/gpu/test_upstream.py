@@ -12,7 +12,7 @@ import pytest
 from needle_wgpu.engine import Needle3
 from needle_wgpu.errors import InputError, UnsupportedModelError
 from needle_wgpu.formats import cact
-from needle_wgpu.reference.model import ReferenceModel
+from needle_wgpu.reference.needle3.model import ReferenceModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from upstream_fixtures import NAMES, SEQUENCES, assert_matches_oracle, logit_error, oracle, upstream_file, variant  # noqa: E402

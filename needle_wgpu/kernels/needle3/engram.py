@@ -5,18 +5,18 @@ the table rows into ``eh``; the existing ``cq.matmul`` on the [key_proj; value_p
 every site (``x_block_rows = 2d``) turns ``eh`` into ``ekv``; ``conv`` (one dispatch for all
 sites) applies the dilated value convolution and keeps the raw values in a ring.
 
-Reference functions: ``reference.engram.hash_indices``, ``hash_validity``, ``fetch`` (then
-``reference.cq.prepare_input``) and ``value_conv``.
+Reference functions: ``reference.needle3.engram.hash_indices``, ``hash_validity``, ``fetch`` (then
+``reference.needle3.cq.prepare_input``) and ``value_conv``.
 """
 
 from __future__ import annotations
 
-from ..errors import DeviceLimitError, UnsupportedModelError
-from ..formats.geometry import Needle3Geometry
-from ..gpu.device import Binding, KernelKey, Plan, UniformArena
-from .cq import CODE_BITS, LEVEL_BASE, CQPack, fwht_scale
+from ...errors import DeviceLimitError, UnsupportedModelError
+from ...formats.needle3_geometry import Needle3Geometry
+from ...gpu.device import Binding, KernelKey, Plan, UniformArena
+from ..cq import CODE_BITS, LEVEL_BASE, CQPack, fwht_scale
 from .embed import workgroup_cap
-from .params import Fp16Store
+from .fp16_store import Fp16Store
 
 MAX_TABLES = 64  # workgroup slots for the per-table hash results (shipped: 6)
 MAX_SITES = 16  # the header holds at most 16 sites (§8); the conv uniform has one tap offset each

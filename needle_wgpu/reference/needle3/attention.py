@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import constants
+from ... import constants
 from . import cq
-from .ops import F32, dot_rows, head_norm, rope, sigmoid, zc_rms_norm
+from ..ops import F32, dot_rows, head_norm, rope, sigmoid, zc_rms_norm
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ContainerError, UnsupportedModelError
-from ..formats import cact
-from ..formats.geometry import Needle3Geometry
+from ...errors import ContainerError, UnsupportedModelError
+from ...formats import cact
+from ...formats.needle3_geometry import Needle3Geometry
 from .attention import AttentionParams
 from .cq import CQMatrix
 from .engram import EngramSite
 from .hada_mlp import HadaParams
 from .heads import CONFIDENCE, ROUTER, ProbeHeadParams
 from .mhc import MhcLayer
-from .ops import F32
+from ..ops import F32
 
 
 HADA_NAMES = ("pre_hada", "d1", "d2", "b2", "d3", "d4", "w1a", "w1b", "w2a", "w2b", "w3a", "w3b",

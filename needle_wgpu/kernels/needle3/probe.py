@@ -14,12 +14,12 @@ import math
 import struct
 from array import array
 
-from ..constants import binary_level, inv_sqrt, ternary_level
-from ..errors import UnsupportedModelError
-from ..formats.cact import BINARY, CQ, CONFIDENCE_HEAD, EMBEDDING_HEAD, ROUTER_HEAD, TERNARY, CactFile
-from ..gpu.device import Plan, UniformArena
-from . import cq
-from .cq import fwht_scale
+from ...constants import binary_level, inv_sqrt, ternary_level
+from ...errors import UnsupportedModelError
+from ...formats.cact import BINARY, CQ, CONFIDENCE_HEAD, EMBEDDING_HEAD, ROUTER_HEAD, TERNARY, CactFile
+from ...gpu.device import Plan, UniformArena
+from .. import cq
+from ..cq import fwht_scale
 
 CONFIDENCE, EMBEDDING, ROUTER = CONFIDENCE_HEAD, EMBEDDING_HEAD, ROUTER_HEAD
 HEAD_NAMES = {EMBEDDING: "embedding", CONFIDENCE: "confidence", ROUTER: "router"}

@@ -12,9 +12,9 @@ import enum
 
 import numpy as np
 
-from ..errors import ContextFullError, InputError
-from ..formats.geometry import Needle3Geometry
-from .ops import F32, conv_tail
+from ...errors import ContextFullError, InputError
+from ...formats.needle3_geometry import Needle3Geometry
+from ..ops import F32, conv_tail
 
 
 class KvPrecision(enum.Enum):

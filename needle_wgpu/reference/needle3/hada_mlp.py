@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ops import F32, dot_rows, silu, softmax
+from ..ops import F32, dot_rows, silu, softmax
 
 
 @dataclass(frozen=True, eq=False)

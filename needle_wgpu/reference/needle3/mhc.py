@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import cq
-from .ops import F32, rms_unit, sigmoid, sinkhorn
+from ..ops import F32, rms_unit, sigmoid, sinkhorn
 
 ACTIVE_PRE_OFFSET = F32(4)
 INACTIVE_OFFSET = F32(-4)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..models.ladder import Rung
+from ...models.ladder import Rung
 from .cq import CQMatrix
 from .weights import Needle3Weights
 

@@ -1,7 +1,7 @@
 """The ends of the forward: embedding lookup (spec §4.1, §4.3) and the output norm (§4.8).
 
-Reference functions: ``reference.cq.dequantize_rows`` (times the f32 of sqrt(d)) for ``embed``;
-``reference.mhc.lane_mean``, ``reference.ops.zc_rms_norm`` and ``reference.cq.prepare_input``
+Reference functions: ``reference.needle3.cq.dequantize_rows`` (times the f32 of sqrt(d)) for ``embed``;
+``reference.needle3.mhc.lane_mean``, ``reference.ops.zc_rms_norm`` and ``reference.needle3.cq.prepare_input``
 for ``final_norm``.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import struct
 
-from .. import constants
-from ..errors import UnsupportedModelError
-from ..formats.geometry import Needle3Geometry
-from ..gpu.device import Binding, KernelKey, Plan, UniformArena
-from .cq import CODE_BITS, LEVEL_BASE, CQPack, fwht_scale
-from .params import Fp16Store
+from ... import constants
+from ...errors import UnsupportedModelError
+from ...formats.needle3_geometry import Needle3Geometry
+from ...gpu.device import Binding, KernelKey, Plan, UniformArena
+from ..cq import CODE_BITS, LEVEL_BASE, CQPack, fwht_scale
+from .fp16_store import Fp16Store
 
 THREADS = 256
 

@@ -2,10 +2,10 @@
 
 Per layer the model runs ``mhc_norm`` (lanes -> nxh), the band ``cq_matmul`` of the layer's 24
 phi rows (nxh -> mix_dots) and ``mhc_mix`` (lanes, mix_dots -> u, bx, hpost, Hres, hh). The
-block tail, including scatter_up, is ``kernels.mlp.mlp_mix``.
+block tail, including scatter_up, is ``kernels.needle3.mlp.mlp_mix``.
 
-Reference functions: ``reference.mhc`` (lane_norm, pre_weights, post_weights, residual_mix,
-mix_down), ``reference.engram.gate``, ``reference.ops.zc_rms_norm``, ``reference.cq.prepare_input``.
+Reference functions: ``reference.needle3.mhc`` (lane_norm, pre_weights, post_weights, residual_mix,
+mix_down), ``reference.needle3.engram.gate``, ``reference.ops.zc_rms_norm``, ``reference.needle3.cq.prepare_input``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import math
 import struct
 from dataclasses import dataclass
 
-from ..errors import UnsupportedModelError
-from ..gpu.device import Binding, Buffer, Device, KernelKey, Plan, UniformArena
-from .cq import fwht_scale
-from .params import Fp16Store
+from ...errors import UnsupportedModelError
+from ...gpu.device import Binding, Buffer, Device, KernelKey, Plan, UniformArena
+from ..cq import fwht_scale
+from .fp16_store import Fp16Store
 
 MAX_LANES = 16  # the Sinkhorn works on n x n in one invocation's registers
 WORKGROUP_BYTES = 16384

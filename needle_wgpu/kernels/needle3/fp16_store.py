@@ -5,9 +5,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ..errors import ContainerError
-from ..formats.cact import FP16, FP32, CactFile
-from ..gpu.device import Binding, Device
+from ...errors import ContainerError
+from ...formats.cact import FP16, FP32, CactFile
+from ...gpu.device import Binding, Device
 
 # WebGPU's minStorageBufferOffsetAlignment is at most 256 on every adapter.
 BINDING_ALIGN = 256

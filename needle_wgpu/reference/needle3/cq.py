@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import constants
-from ..formats import cact
-from .ops import F32, dot_rows, fwht
+from ... import constants
+from ...formats import cact
+from ..ops import F32, dot_rows, fwht
 
 TERNARY_LEVEL = constants.TERNARY_LEVEL  # §5.2, before the 1/sqrt(G) scale
 

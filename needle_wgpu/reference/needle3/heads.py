@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import cq
-from .ops import F32, rms_unit, softmax
+from ..ops import F32, rms_unit, softmax
 
 EMBEDDING, CONFIDENCE, ROUTER = 1, 2, 3  # manifest codes of the heads (§U a)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import cq
-from .ops import F32, dilated_causal_conv, rms_unit, sigmoid
+from ..ops import F32, dilated_causal_conv, rms_unit, sigmoid
 
 U32 = 0xFFFFFFFF
 SEED_STEP = 0x9E3779B9

@@ -15,18 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import constants, numerics as numerics_rules
-from ..errors import ContextFullError, InputError, UnsupportedModelError
-from ..formats import cact
-from ..inputs import checked_methods
-from ..sampling import clamp_count
+from ... import constants
+from ...models import needle3_numerics as numerics_rules
+from ...errors import ContextFullError, InputError, UnsupportedModelError
+from ...formats import cact
+from ...inputs import checked_methods
+from ...sampling import clamp_count
 from . import attention, cq, engram, mhc
 from .cache import KVCache, KvPrecision
 from .hada_mlp import hada_mlp
 from .ladder import rung_weights
-from ..models.ladder import full_rung, rung
+from ...models.ladder import full_rung, rung
 from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit, probe_output
-from .ops import F32, causal_conv, conv_tail, cq_fake_quant, fake_quant, quantize_rows, sigmoid, zc_rms_norm
+from ..ops import F32, causal_conv, conv_tail, cq_fake_quant, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
 
 U32_MAX = 0xFFFFFFFF

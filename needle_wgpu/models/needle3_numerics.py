@@ -10,8 +10,8 @@ browser too, and the NumPy reference uses the same rules.
 
 from __future__ import annotations
 
-from .errors import InputError, UnsupportedModelError
-from .inputs import TEXT_TYPES, _plain, as_text
+from ..errors import InputError, UnsupportedModelError
+from ..inputs import TEXT_TYPES, _plain, as_text
 
 NUMERICS = ("float", "deploy")
 KV_MODES = ("f32", "int8", "cq2", "cq3", "cq4")  # deploy; float numerics keep f32 / int8 only

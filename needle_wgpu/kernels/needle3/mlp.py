@@ -3,8 +3,8 @@
 Post norm and gated attention residual, the HadamardMLP (three Kronecker stages), the block
 delta, the mHC scatter_up into the lanes and, optionally, the layer's cell (lane mean).
 
-Reference functions: ``reference.ops.zc_rms_norm``, ``reference.attention.residual``,
-``reference.hada_mlp.hada_mlp``, ``reference.mhc.scatter_up`` and ``lane_mean``.
+Reference functions: ``reference.ops.zc_rms_norm``, ``reference.needle3.attention.residual``,
+``reference.needle3.hada_mlp.hada_mlp``, ``reference.needle3.mhc.scatter_up`` and ``lane_mean``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from ..errors import UnsupportedModelError
-from ..formats.cact import CactFile
-from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
+from ...errors import UnsupportedModelError
+from ...formats.cact import CactFile
+from ...gpu.device import Binding, Device, KernelKey, Plan, UniformArena
 from .mhc import MAX_LANES, MhcState
-from .params import Fp16Store
+from .fp16_store import Fp16Store
 
 WORKGROUP_BYTES = 16384
 THREADS = 256
