@@ -1,19 +1,23 @@
 """The one place that maps a model file to its family, by the file's magic (never its name).
 
-A family is a module with ``sniff(head) -> bool``, ``read(source)`` (parse and validate the
-file, no GPU), ``open(parsed, device, progress, numerics[, depth]) -> GpuModel``, ``describe(parsed) -> dict``
-and ``NUMERICS`` (the numerics it runs: "float", and for Needle 3 "deploy", ``models.needle3_numerics``);
-``api.Model`` drives the GpuModel.
+A family is a module with ``NAME``, ``sniff(head) -> bool``, ``read(source)`` (parse and
+validate the file, no GPU), ``open(parsed, device, progress, numerics, depth) -> GpuModel``,
+``describe(parsed, context, depth) -> dict``, ``NUMERICS`` (the numerics it runs: "float", and
+for Needle 3 "deploy", ``models.needle3_numerics``), ``LADDER`` (whether its files have an
+elastic-depth ladder) and, where they do, ``check_depth(parsed, depth)``. ``api.Model`` drives
+the GpuModel (``models.protocols``).
 """
 
 from __future__ import annotations
 
-from .errors import DepthError
+from .errors import DepthError, UnsupportedModelError
 from .formats.source import Source
+from .gpu import open_device
 from .models import dense, needle3
 from .models.needle3_numerics import choice
 
-FAMILIES = {"needle3": needle3, "dense": dense}
+FAMILIES = {family.NAME: family for family in (needle3, dense)}
+FALLBACK = needle3.NAME  # an unknown magic is read as a .cact, whose reader names the tag it found
 
 
 def magic(source) -> bytes:
@@ -24,39 +28,40 @@ def magic(source) -> bytes:
 
 
 def family_of(source):
-    """The family module for a source; unknown magics go to the .cact reader, whose error
-    names the tag it found."""
+    """The family module for a source; an unknown magic goes to ``FALLBACK``'s reader, whose
+    error names the tag it found."""
     head = magic(source)
     for family in FAMILIES.values():
         if family.sniff(head):
             return family
-    return needle3
+    return FAMILIES[FALLBACK]
+
+
+def _checked(family, parsed, numerics, depth) -> None:
+    """What the family declares it runs: its ``NUMERICS``, and a depth only where it has a
+    ladder (``LADDER``; the family's ``check_depth`` says which depths the file can give)."""
+    if numerics not in family.NUMERICS:
+        raise UnsupportedModelError(f"numerics={numerics!r}: {family.NAME} models run only "
+                                    f"{', '.join(family.NUMERICS)} numerics")
+    if depth is not None:
+        if not family.LADDER:
+            raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder "
+                             f"(this is a {family.NAME} model)")
+        family.check_depth(parsed, depth)  # refused before any device is opened
 
 
 def open_gpu_model(source, device=None, progress=None, numerics="float", depth=None):
     """Read, validate and upload a model file; ``device`` defaults to the native one.
-    ``numerics`` ("float" or "deploy", ``needle_wgpu.models.needle3_numerics``) is checked before anything is read;
-    a family that has only float numerics refuses "deploy" with ``UnsupportedModelError``.
+    ``numerics`` ("float" or "deploy", ``models.needle3_numerics``) is checked before anything is
+    read; a family that runs only float numerics refuses "deploy" with ``UnsupportedModelError``.
     ``depth`` (None: the file's own) is for families with an elastic-depth ladder (Needle 3);
     any other family refuses it with ``DepthError``."""
     numerics = choice(numerics)
     family = family_of(source)
     parsed = family.read(source)  # a bad file fails before any device is opened
-    if numerics not in family.NUMERICS:
-        from .errors import UnsupportedModelError
-
-        raise UnsupportedModelError(f"numerics={numerics!r}: {family.__name__.rsplit('.', 1)[-1]} models run "
-                                    f"only {', '.join(family.NUMERICS)} numerics")
-    if depth is not None and family is not needle3:
-        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder")
-    if depth is not None:
-        needle3.rung(parsed.geometry, depth)  # refused before any device is opened
+    _checked(family, parsed, numerics, depth)
     if device is None:
-        from .gpu import open_device
-
         device = open_device()
-    if depth is None:
-        return family.open(parsed, device, progress=progress, numerics=numerics)
     return family.open(parsed, device, progress=progress, numerics=numerics, depth=depth)
 
 
@@ -65,9 +70,7 @@ def describe(source, context=None, depth=None) -> dict:
     that many positions would allocate, where the family sizes its cache by it; ``depth``: the
     rung of a Needle 3 file's ladder, ``DepthError`` for another family)."""
     family = family_of(source)
-    if depth is not None and family is not needle3:
-        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder")
-    parsed = family.read(source)
-    if depth is None:
-        return family.describe(parsed, context=context)
-    return family.describe(parsed, context=context, depth=depth)
+    if depth is not None and not family.LADDER:
+        raise DepthError(f"depth={depth!r}: only Needle 3 files have an elastic-depth ladder "
+                         f"(this is a {family.NAME} model)")
+    return family.describe(family.read(source), context=context, depth=depth)

@@ -258,7 +258,7 @@ def turn_logprobs(stats, reply) -> list | None:
     """The sampling hook: per produced token ``{"token", "logprob", "top_logprobs": [{"token",
     "logprob"}]}`` as the turn reports them (``TurnStats.logprobs``, else the reply's
     ``logprobs``), None when the turn reports none."""
-    found = getattr(stats, "logprobs", None)
+    found = stats.logprobs
     if found is None:
         found = reply.get("logprobs")
     return found
@@ -287,6 +287,6 @@ def openai_logprobs(model, entries) -> dict | None:
 def _token_bytes(model, token: int) -> bytes | None:
     """The bytes a token stands for (a GGUF tokenizer's ``token_bytes``), or None."""
     tokenizer = model.tokenizer
-    if tokenizer is None or not hasattr(tokenizer, "token_bytes") or not 0 <= token < tokenizer.vocab_size:
+    if tokenizer is None or not 0 <= token < tokenizer.vocab_size:
         return None
     return bytes(tokenizer.token_bytes(token))

@@ -165,8 +165,8 @@ def test_the_logprobs_hook_becomes_openais_field():
                                        "top_logprobs": [{"token": "Hi", "logprob": -0.25},
                                                         {"token": 9906, "logprob": -2.0}]}])
     entries = turn_logprobs(stats, {"content": "Hi"})
-    assert turn_logprobs(SimpleNamespace(), {"logprobs": entries}) is entries
-    assert turn_logprobs(SimpleNamespace(), {"content": ""}) is None
+    assert turn_logprobs(SimpleNamespace(logprobs=None), {"logprobs": entries}) is entries
+    assert turn_logprobs(SimpleNamespace(logprobs=None), {"content": ""}) is None
     field = openai_logprobs(model, entries)
     first = field["content"][0]
     assert first["token"] == "Hi" and first["logprob"] == -0.25 and first["bytes"] == [72, 105]

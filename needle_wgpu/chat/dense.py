@@ -21,8 +21,8 @@ class DenseChat:
 
     def __init__(self, tokenizer, template_source: str | None = None):
         self.tokenizer = tokenizer
-        bos = _token_text(tokenizer, getattr(tokenizer, "bos_token_id", None))
-        eos = _token_text(tokenizer, getattr(tokenizer, "eos_id", None))
+        bos = _token_text(tokenizer, tokenizer.bos_token_id)
+        eos = _token_text(tokenizer, tokenizer.eos_id)
         self.template = ChatTemplate(template_source, bos_token=bos, eos_token=eos)
         # the template's tool-call format, where the engine can constrain it (else None)
         self.tool_calls = TAGGED if self.template.tool_call_format == "tagged" else None

@@ -360,6 +360,13 @@ class Tokenizer:
             return self._piece_bytes[token_id]
         return b""
 
+    def token_bytes(self, token_id) -> bytes:
+        """The bytes one id puts into decoded text: ``piece_bytes`` with '▁' as a space (what a
+        grammar over the vocabulary reads; ``stream_decoder.StreamDecoder`` turns '▁' into a
+        space after UTF-8 decoding, which is the same for every piece but a '▁' assembled from
+        three BYTE pieces)."""
+        return self.piece_bytes(token_id).replace(SPACE.encode(), b" ")
+
     def decode_piece(self, token_id) -> str:
         """One id's text in isolation; a lone byte of a multi-byte character gives U+FFFD."""
         return self.piece_bytes(token_id).decode("utf-8", "replace").replace(SPACE, " ")

@@ -72,13 +72,9 @@ class Vocabulary:
 
     @classmethod
     def of_tokenizer(cls, tokenizer, rows: int | None = None, eos_ids=None) -> "Vocabulary":
-        """A Needle tokenizer (``piece_bytes``, '▁' read as a space) or a GGUF one (``token_bytes``)."""
-        if hasattr(tokenizer, "token_bytes"):
-            size = tokenizer.vocab_size
-            pieces = [tokenizer.token_bytes(i) for i in range(size)]
-        else:
-            size = len(tokenizer._piece_bytes) if hasattr(tokenizer, "_piece_bytes") else tokenizer.vocab_size
-            pieces = [tokenizer.piece_bytes(i).replace("▁".encode(), b" ") for i in range(size)]
+        """The vocabulary of a tokenizer: each id's ``token_bytes`` (every family's tokenizer
+        has it: the bytes the id puts into decoded text)."""
+        pieces = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
         stops = tokenizer.stop_ids if eos_ids is None else eos_ids
         return cls(pieces, stops, rows)
 

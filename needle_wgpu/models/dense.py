@@ -73,13 +73,17 @@ def read(source) -> DenseFile:
 NUMERICS = ("float",)  # no deploy numerics: those are Needle 3's (§4.9 of the Needle 3 spec)
 
 
-def open(parsed: DenseFile, device: Device, progress=None, numerics="float") -> "DenseGpu":
-    if numerics != "float":
-        raise UnsupportedModelError(f"numerics={numerics!r}: dense models run only float numerics")
+NAME = "dense"
+LADDER = False  # no elastic depth: families.py refuses a depth before anything is read
+
+
+def open(parsed: DenseFile, device: Device, progress=None, numerics="float", depth=None) -> "DenseGpu":
+    """Upload a validated file (``families.open_gpu_model`` has checked ``numerics`` and ``depth``
+    against ``NUMERICS`` and ``LADDER``)."""
     return DenseGpu(device, parsed, progress=progress)
 
 
-def describe(parsed: DenseFile, context: int | None = None) -> dict:
+def describe(parsed: DenseFile, context: int | None = None, depth=None) -> dict:
     """Architecture, geometry, quantisation mix and GPU bytes for a context, without a GPU."""
     f, g = parsed.gguf, parsed.geometry
     mix: dict = {}

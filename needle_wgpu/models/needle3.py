@@ -37,6 +37,15 @@ def sniff(head: bytes) -> bool:
     return bytes(head[:4]) in MAGICS
 
 
+NAME = "needle3"
+LADDER = True  # elastic depth (§10): rungs over the same weights
+
+
+def check_depth(container: CactFile, depth) -> None:
+    """Refuse a depth the file's ladder cannot give (``DepthError``), before any upload."""
+    rung(container.geometry, depth)
+
+
 def read(source) -> CactFile:
     """Read and validate a .cact file (path or bytes)."""
     return cact.load(source)
@@ -45,9 +54,7 @@ def read(source) -> CactFile:
 def open(container: CactFile, device: Device, progress=None, numerics="float", depth=None) -> "Needle3Gpu":
     """Upload a validated container to ``device``, to run ``numerics`` ("float" or "deploy");
     ``depth`` (None: the file's own) runs that rung of the ladder (§10, §U f) over the uploaded
-    weights (``Needle3Gpu.at_depth``)."""
-    if depth is not None:
-        rung(container.geometry, depth)  # a depth the file cannot give fails before any upload
+    weights (``Needle3Gpu.at_depth``; ``families`` has refused a depth the file cannot give)."""
     model = Needle3Gpu(device, container, progress=progress, numerics=numerics)
     return model if depth is None else model.at_depth(depth)
 
