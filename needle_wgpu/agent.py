@@ -16,6 +16,7 @@ import enum
 import json
 from dataclasses import dataclass, field
 
+from .api import Model
 from .chat.tools import call_arguments, tool_function
 from .errors import ContextFullError, InputError
 from .inputs import checked, checked_methods, flag
@@ -73,7 +74,6 @@ class Agent:
     @checked  # an unknown keyword is an InputError, as for every public method
     def __init__(self, model, tools=(), *, system=None, max_steps=MAX_STEPS, constrained=None, stateless=False,
                  context=None, kv=None):
-        from .api import Model
 
         if not isinstance(model, Model):
             raise InputError(f"Agent takes a needle_wgpu Model (needle_wgpu.load), got {type(model).__name__}")

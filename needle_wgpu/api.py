@@ -16,15 +16,20 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from .generation import Decoded, Steps, TokenEvent, decode  # noqa: F401  TokenEvent: part of this surface
-from .formats.cact import CONFIDENCE_HEAD
+from .chat.tools import Completion, tools_json
+from .conversation import Conversation
 from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
+from .families import open_gpu_model
+from .formats.cact import CONFIDENCE_HEAD
+from .generation import Decoded, Steps, TokenEvent, decode  # noqa: F401  TokenEvent: part of this surface
 from .gpu.device import Device
+from .grammar import Automaton, Constraint, GrammarError, Vocabulary
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
                      optional_text, stop_strings)
 from .logprobs import probability_of_logit, saturate_top_logprobs
-from .chat.tools import Completion, tools_json
+from .openai import chat_completion
 from .sampling import Sampling, clamp_budget, saturate_ids
+from .speculative import SpeculativeDecoder, speculative_option
 
 
 @dataclass
@@ -77,7 +82,6 @@ class Model:
         upstream's quant=True arithmetic, docs/api.md "Numerics"). ``depth``: run that rung of
         a Needle 3 file's ladder (§10) over the uploaded full-depth weights; ``DepthError``
         where the file has none."""
-        from .families import open_gpu_model
 
         instance_or_none(device, Device, "device", " (open one with needle_wgpu.gpu.open_device())")
         callback_or_none(progress, "progress")
@@ -188,7 +192,6 @@ class Model:
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
             budget = clamp_budget(max_tokens, session.context - len(request))
             if spec is not None and budget > 0:
-                from .speculative import SpeculativeDecoder
 
                 draft = self.gpu.at_depth(spec[0]).session(context=session.context, kv=kv)
                 steps.speculator = SpeculativeDecoder(session, draft, spec[1], sampling)
@@ -231,14 +234,12 @@ class Model:
             raise DepthError("speculative decoding drafts with a rung: only Needle 3 files have a ladder")
         if matcher is not None:
             raise InputError("speculative decoding does not take constrained decoding (pass constrained=False)")
-        from .speculative import speculative_option
 
         return speculative_option(speculative, self.gpu.full.stored_geometry.num_layers, self.geometry.num_layers)
 
     def _matcher(self, tools, constrained, tool_request: bool):
         """A grammar matcher for a constrained request, or None (vocabulary trie built once).
         ``constrained`` may be a ``grammar.Constraint`` (``Model.constraint``): that grammar."""
-        from .grammar import Constraint
 
         if isinstance(constrained, Constraint):
             return constrained.matcher()
@@ -261,7 +262,6 @@ class Model:
             raise UnsupportedModelError("this model's chat template writes tool calls in a format the engine "
                                         "cannot constrain (only <tool_call> blocks and Needle 3's answer)")
         grammar_of = answer or calls.required_grammar
-        from .grammar import GrammarError
 
         try:
             return self.constraint(f"{calls.name}:{'answer' if answer else 'required'}:{compact_key(tools)}",
@@ -278,7 +278,6 @@ class Model:
         generation (``Conversation.stream(constraint=...)``)."""
         if not self.capabilities.mask or self.tokenizer is None:
             raise UnsupportedModelError("this model cannot decode under a grammar (no mask support or tokenizer)")
-        from .grammar import Automaton, Constraint, Vocabulary
 
         cache = self._constraints
         constraint = cache.get(key)
@@ -306,7 +305,6 @@ class Model:
         """A ``conversation.Conversation``: messages rendered with the model's chat template
         over one session whose KV cache is kept across turns (``confidence``: the session
         runs the confidence head, ``Conversation.confidence()``)."""
-        from .conversation import Conversation
 
         return Conversation(self, system=system, tools=tools, context=context, kv=kv, confidence=confidence)
 
@@ -320,7 +318,6 @@ class Model:
         iterator of ``chat.completion.chunk`` dicts ending with one that carries ``usage``.
         ``tool_choice`` "required" or a named function and ``response_format`` JSON constrain
         the reply to the format (docs/api.md)."""
-        from .openai import chat_completion
 
         return chat_completion(self, messages, tools, tool_choice=tool_choice, response_format=response_format,
                                stream=stream, max_tokens=max_tokens, temperature=temperature, top_p=top_p,

@@ -114,7 +114,7 @@ def needle3_model(say=print) -> Path:
             return real
         synthetic = cache / "needle3-synthetic-shipped-seed0.cact"
         if not synthetic.exists():
-            from .synth import synthesize
+            from .synth import synthesize  # numpy: only the synthetic fallback needs it
 
             say(f"no needle3.cact found; writing a synthetic model of the shipped geometry to {synthetic}")
             synthetic.parent.mkdir(parents=True, exist_ok=True)

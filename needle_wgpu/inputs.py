@@ -18,6 +18,7 @@ import operator
 from fractions import Fraction
 
 from .errors import ContainerError, InputError
+from .formats.source import as_byte_view
 
 TEXT_TYPES = (str, bytes, bytearray)
 _BIG = 1 << 64  # beyond this a non-int number only keeps its sign (see whole_number)
@@ -200,7 +201,6 @@ def byte_view(value) -> memoryview | None:
     """The bytes of a buffer (bytes, bytearray, memoryview, a NumPy array) as a flat
     unsigned-byte memoryview (``formats.source.as_byte_view``); None when ``value`` is not a
     live buffer (not one at all, or a released memoryview)."""
-    from .formats.source import as_byte_view
 
     try:
         return as_byte_view(value)

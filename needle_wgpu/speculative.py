@@ -22,6 +22,7 @@ import math
 import random
 
 from .errors import InputError
+from .models.ladder import check_depth
 from .sampling import Sampling, clamp_count
 
 MAX_DRAFT = 16  # drafted ids per round (a verify chunk is k + 1 positions)
@@ -103,7 +104,6 @@ def speculative_option(speculative, layers: int, running: int | None = None) -> 
     file's), and k saturated to [1, MAX_DRAFT]."""
     if speculative is None:
         return None
-    from .models.ladder import check_depth
 
     if isinstance(speculative, (str, bytes)) or not hasattr(speculative, "__len__") or len(speculative) != 2:
         raise InputError("speculative must be None or a pair (draft depth, drafted ids per round)")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .default_model import smollm2_path
 from .formats.dense_archs import ARCHITECTURES, ArchRules
 
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
@@ -83,7 +84,6 @@ class SynthDense:
 
 def _smollm2_tokenizer() -> list[tuple[str, object, object, object]] | None:
     """(key, value, type, sub_type) of every tokenizer.* key of the SmolLM2 file, or None."""
-    from .default_model import smollm2_path
 
     path = smollm2_path(verify_hash=False)
     return None if path is None else _tokenizer_fields(str(path))

@@ -62,15 +62,13 @@ def test_synth_seed_saturates(tmp_path, capsys):
 
 
 def test_bench_checks_its_json_path_before_running(tmp_path, capsys, monkeypatch):
-    from needle_wgpu.cli import bench
-
     ran = []
-    monkeypatch.setattr(bench, "run_benchmark", lambda args: ran.append(args))
+    monkeypatch.setattr(cli, "run_benchmark", lambda args: ran.append(args))
     assert cli.main(["bench", str(tmp_path / "unused.cact"), "--json", "/nonexistent/x"]) == 1
     assert ran == [] and "needle-wgpu: /nonexistent/x: No such file or directory" in capsys.readouterr().err
     assert cli.main(["bench", str(tmp_path / "unused.cact"), "--json", str(tmp_path / "b.json")]) == 0
     assert len(ran) == 1 and not (tmp_path / "b.json").exists()  # the check leaves no file behind
-    monkeypatch.setattr(bench, "run_constrained_benchmark", lambda args: ran.append(("constrained", args)))
+    monkeypatch.setattr(cli, "run_constrained_benchmark", lambda args: ran.append(("constrained", args)))
     assert cli.main(["bench", "--constrained", "--json", str(tmp_path / "b.json")]) == 0
     assert len(ran) == 2 and ran[1][0] == "constrained"  # --constrained runs the masked-decode benchmark
 

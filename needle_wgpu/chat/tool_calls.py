@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..formats.stream_decoder import partial_tail
+from ..grammar.tagged_calls import reply_grammar
 from .tools import call_arguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -151,7 +152,6 @@ class ToolCallHolder:
 
 
 def _tagged_required(tools, names=None, max_calls: int = 4) -> list:
-    from ..grammar.tagged_calls import reply_grammar
 
     return reply_grammar(tools=tools, names=names, max_calls=max_calls)
 

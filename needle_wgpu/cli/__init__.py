@@ -15,8 +15,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import load, verdict
 from ..default_model import default_model
+from ..engine import GenerationResult
 from ..errors import InputError, NeedleError
+from ..families import describe
+from ..grammar import GrammarError, compile_schema
+from ..sampling import clamp_count
+from .bench import run_benchmark, run_constrained_benchmark, speculative_pairs
+from .chat import run_chat
 from .options import Progress, add_sampling_options, join_option_values, sampling_keywords, writes_utf8
 
 DEFAULT_QUERY = "What's the weather in Paris?"
@@ -25,7 +32,6 @@ DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a ci
 
 
 def _load(path, progress, numerics="float", depth=None):
-    from .. import load
 
     return load(path, progress=progress, numerics=numerics, depth=depth)
 
@@ -41,7 +47,6 @@ def read_json_schema(path) -> tuple:
     """``--json-schema FILE``: (the schema, its grammar's nodes), compiled before the model
     loads. A file that cannot be read, is not JSON or is outside the schema subset is a
     ``NeedleError`` (one line, exit status 2)."""
-    from ..grammar import GrammarError, compile_schema
 
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -73,7 +78,6 @@ def cmd_generate(args) -> int:
     if args.logprobs is not None:
         options.update(logprobs=True, top_logprobs=args.logprobs)
     if args.speculative is not None:
-        from .bench import speculative_pairs
 
         options["speculative"] = speculative_pairs([args.speculative], 0)[0]
         options["constrained"] = False
@@ -83,7 +87,6 @@ def cmd_generate(args) -> int:
         request = dict(prompt=args.prompt)
     else:
         request = dict(query=args.query or DEFAULT_QUERY, tools=args.tools or DEFAULT_TOOLS)
-    from ..engine import GenerationResult
 
     result = GenerationResult("", [], "empty", 0)
     for event in model.stream(**request, result=result, **options):
@@ -149,7 +152,6 @@ def cmd_heads(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .chat import run_chat
 
     schema = read_json_schema(args.json_schema) if args.json_schema else None
     model = _load(_path_of(args), Progress(args.quiet))
@@ -158,7 +160,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from ..families import describe
 
     described = describe(args.model, context=args.context) if args.depth is None else \
         describe(args.model, context=args.context, depth=args.depth)
@@ -184,7 +185,6 @@ def _ids_option(text: str) -> list:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_benchmark, run_constrained_benchmark
 
     if args.constrained and (args.rungs is not None or args.speculative is not None):
         raise NeedleError("bench --constrained measures the grammar mask alone: run --rungs/--speculative "
@@ -197,8 +197,6 @@ def cmd_bench(args) -> int:
 def cmd_verdict(args) -> int:
     """Spec dense-gguf §7 over a battery: one line per prompt, then a summary. Exit status 3
     when any prompt is Structured (1 stays "output could not be written")."""
-    from .. import verdict
-    from ..sampling import clamp_count
 
     prompts = verdict.read_battery(args.prompts)
     prompts = prompts[: clamp_count(args.limit, 0, len(prompts), len(prompts))]
@@ -405,8 +403,8 @@ def main(argv=None) -> int:
     _prepare_streams()
     private_runtime_dir()
     try:
-        if argv[:1] == ["synth"]:  # synth has its own parser (needle_wgpu.synth.synth_main)
-            from .synth import synth_main
+        if argv[:1] == ["synth"]:  # synth has its own parser (cli/synth.py)
+            from .synth import synth_main  # the synthetic writer needs numpy, a development tool
 
             status = synth_main(argv[1:])
         else:

@@ -10,6 +10,14 @@ import platform
 import random
 import time
 
+from .. import load
+from ..default_model import default_model
+from ..errors import DepthError, InputError
+from ..grammar import compile_schema
+from ..sampling import Sampling, clamp_count
+from ..speculative import MAX_DRAFT, SpeculativeDecoder, speculative_option
+from .options import Progress
+
 
 def _counters(device) -> tuple:
     c = device.counters
@@ -17,10 +25,6 @@ def _counters(device) -> tuple:
 
 
 def run_benchmark(args) -> dict:
-    from .options import Progress
-    from ..default_model import default_model
-    from .. import load
-    from ..sampling import Sampling, clamp_count
 
     path = args.model or str(default_model())
     started = time.perf_counter()
@@ -149,7 +153,6 @@ def _depths(requested, gpu) -> list:
     layers = gpu.full.stored_geometry.num_layers
     if "all" in requested:
         return list(range(min(2, layers), layers + 1))
-    from ..errors import DepthError
 
     try:
         return [int(d) for d in requested]
@@ -159,7 +162,6 @@ def _depths(requested, gpu) -> list:
 
 def _rung_speed(gpu, depth: int, prompt: list, decode_tokens: int) -> dict:
     """Prefill and greedy decode speed of one rung over the loaded weights (warm-up first)."""
-    from ..sampling import Sampling
 
     greedy = Sampling()
     rung = gpu.full.at_depth(depth)
@@ -193,7 +195,6 @@ def speculative_pairs(text_pairs, layers: int) -> list:
             try:
                 depth, k = (int(v) for v in str(text).split(","))
             except ValueError:
-                from ..errors import InputError
 
                 raise InputError(f"--speculative: {text!r} is not DEPTH,K") from None
             out.append((depth, k))
@@ -211,8 +212,6 @@ def _speculative_speeds(gpu, text_pairs, prompt: list, decode_tokens: int) -> di
     plain ones. Every configuration keeps its sessions, rewound to the prompt's end before each
     run: a first run builds the plans (and compiles pipelines), then ``REPEATS`` rounds of timed
     runs interleave plain and speculative decoding, and each one's fastest run is reported."""
-    from ..sampling import Sampling
-    from ..speculative import MAX_DRAFT, SpeculativeDecoder, speculative_option
 
     greedy = Sampling()
     layers = gpu.full.stored_geometry.num_layers
@@ -293,11 +292,6 @@ def run_constrained_benchmark(args) -> dict:
     warm cache) and decode tok/s both ways. Needle 3 decodes its tool-call grammar; a family
     without one (the dense GGUF models) a JSON-schema response. After each EOS a fresh answer
     begins in the same session, so both runs step over the same positions."""
-    from .options import Progress
-    from ..default_model import default_model
-    from .. import load
-    from ..grammar import compile_schema
-    from ..sampling import Sampling, clamp_count
 
     path = args.model or str(default_model())
     numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)

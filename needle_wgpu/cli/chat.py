@@ -13,12 +13,12 @@ import json
 import sys
 
 from ..errors import ContextFullError
+from .options import sampling_keywords, writes_utf8
 
 HELP = "commands: /reset, /system TEXT, /quit"
 
 
 def _options(args) -> dict:
-    from .options import sampling_keywords
 
     options = sampling_keywords(args)
     if getattr(args, "constraint", None) is not None:  # --json-schema: every reply under its grammar
@@ -40,7 +40,6 @@ def _turn_json(reply: dict, stats) -> dict:
 
 
 def run_chat(args, model) -> int:
-    from .options import writes_utf8
 
     conversation = model.conversation(args.system, tools=args.tools, context=args.context, kv=args.kv)
     note = model.chat_format.template.note if model.chat_format.template is not None else None
