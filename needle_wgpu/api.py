@@ -21,7 +21,7 @@ from .conversation import Conversation
 from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
 from .families import open_gpu_model
 from .formats.cact import CONFIDENCE_HEAD
-from .generation import Decoded, Steps, TokenEvent, decode  # noqa: F401  TokenEvent: part of this surface
+from .generation import Decoded, Steps, TokenEvent, decode, round_tokens  # noqa: F401  TokenEvent: part of this surface
 from .gpu.device import Device
 from .grammar import Automaton, Constraint, GrammarError, Vocabulary
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
@@ -131,7 +131,7 @@ class Model:
                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=(), kv=None, context=None,
                constrained=None, result: GenerationResult | None = None, should_stop=None, min_p=0.0,
                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=64,
-               logit_bias=None, logprobs=False, top_logprobs=0, speculative=None):
+               logit_bias=None, logprobs=False, top_logprobs=0, speculative=None, tokens_per_round=None):
         """Yield ``TokenEvent`` as tokens are produced; fills ``result`` (if given) at the end.
 
         Sampling options saturate as ``Sampling.saturate`` says (docs/api.md). ``logprobs``:
@@ -154,6 +154,9 @@ class Model:
         ``should_stop(done, total)`` (optional) is asked before each prefill chunk (prompt
         positions done, prompt length) and before each decode step (tokens produced, budget);
         a true answer ends the request with finish reason "stopped".
+
+        ``tokens_per_round`` (None: the device's ``round_tokens``): decode steps per submit and
+        readback (``generation.Steps``); the ids are the same for every value.
         """
         g = self.geometry
         instance_or_none(result, GenerationResult, "result")
@@ -186,7 +189,7 @@ class Model:
         pooled = scored and spec is None  # speculative sessions rewind: they score afterwards
         session = self.gpu.session(context=context, kv=kv, confidence=True) if pooled else \
             self.gpu.session(context=context, kv=kv)
-        steps = Steps(session)
+        steps = Steps(session, round_tokens=round_tokens(tokens_per_round, self.gpu.device))
         try:
             # prompt + completion <= context. A prompt that fills the context (or is longer),
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
@@ -311,7 +314,7 @@ class Model:
     def chat(self, messages, tools=None, *, tool_choice="auto", response_format=None, stream=False, max_tokens=256,
              temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
              frequency_penalty=0.0, penalty_last_n=None, logit_bias=None, stop=(), seed=0, logprobs=False,
-             top_logprobs=0, kv=None, context=None):
+             top_logprobs=0, kv=None, context=None, tokens_per_round=None):
         """An OpenAI-style chat completion of ``messages`` (``openai.py``): a
         ``chat.completion`` dict (``choices[0].message`` with ``content`` and ``tool_calls``,
         ``finish_reason`` stop/length/tool_calls, ``usage``), or with ``stream=True`` an
@@ -324,7 +327,8 @@ class Model:
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                penalty_last_n=penalty_last_n, logit_bias=logit_bias, stop=stop, seed=seed,
-                               logprobs=logprobs, top_logprobs=top_logprobs, kv=kv, context=context)
+                               logprobs=logprobs, top_logprobs=top_logprobs, kv=kv, context=context,
+                               tokens_per_round=tokens_per_round)
 
     # ------------------------------------------------------------------ analysis
     def confidence(self, ids=None, *, prompt=None, completion=None) -> float:

@@ -18,7 +18,7 @@ from .chat.template import check_messages
 from .chat.tools import check_tools
 from .chat.tool_calls import ToolCallHolder, parse_reply
 from .formats.cact import CONFIDENCE_HEAD
-from .generation import Decoded, Steps, decode
+from .generation import Decoded, Steps, decode, round_tokens
 from .grammar import Constraint
 from .inputs import as_text, callback_or_none, checked_methods, flag, instance_or_none, optional_text, stop_strings
 from .logprobs import probability_of_logit, saturate_top_logprobs
@@ -132,7 +132,7 @@ class Conversation:
     def stream(self, content=None, *, role="user", max_tokens=256, temperature=0.0, top_k=0, top_p=1.0,
                seed=0, stop=(), min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                penalty_last_n=64, logit_bias=None, constraint=None, should_stop=None, logprobs=False,
-               top_logprobs=0):
+               top_logprobs=0, tokens_per_round=None):
         """Append a ``role`` message (None: none, e.g. after ``add``), render, prefill the new
         tail, and yield the reply's text as it is sampled. The stats land in ``self.turns``.
         Sampling options as ``Model.stream``'s (the penalties see the rendered history);
@@ -167,7 +167,9 @@ class Conversation:
             reply["token_ids"] = []
         try:
             matcher = None if constraint is None else instance_or_none(constraint, Constraint, "constraint").matcher()
-            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher, should_stop, top)
+            rounds = round_tokens(tokens_per_round, model.gpu.device)
+            yield from self._turn(tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher, should_stop, top,
+                                  rounds)
         except GeneratorExit:  # the caller stopped reading: the reply so far is the reply
             stats.notices.append("the stream was closed before the reply ended")
             self.messages.append(reply)
@@ -185,7 +187,7 @@ class Conversation:
         self.messages.append(reply)
 
     def _turn(self, tokenizer, sampling, max_tokens, stop_texts, stats, reply, matcher=None, should_stop=None,
-              top=None):
+              top=None, rounds=1):
         stops = self.model.chat_format.stop_ids(tokenizer)
         session = self._session()
         stats.context = session.context
@@ -199,7 +201,7 @@ class Conversation:
         holder = ToolCallHolder() if self.tools else None
         decoded, failed = Decoded(), False
         try:
-            for event in decode(Steps(session), ids[stats.reused:], decoded, sampling=sampling, budget=budget,
+            for event in decode(Steps(session, round_tokens=rounds), ids[stats.reused:], decoded, sampling=sampling, budget=budget,
                                 stop_ids=stops, decoder=decoder, matcher=matcher, should_stop=should_stop,
                                 top_logprobs=top):
                 reply["content"] += event.text

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .sampling import clamp_count
+
 # Why a generation ended (docs/api.md, "Finish reasons").
 FINISH_REASONS = {
     "empty": "the request has no ids: nothing ran",
@@ -26,6 +28,17 @@ FINISH_REASONS = {
     "tool_calls": "the reply holds tool calls (a chat turn, once parsed)",
 }
 _OPENAI = {"length": "length", "tool_calls": "tool_calls"}
+
+
+MAX_ROUND_TOKENS = 64
+
+
+def round_tokens(value, device) -> int:
+    """A request's ``tokens_per_round``: None, NaN, ±inf or a value that is not a number is the
+    device's ``round_tokens`` (chosen per adapter kind by measurement, BENCHMARKS.md); a number
+    is truncated and clamped to [1, 64]."""
+    default = device.round_tokens if device is not None else 1
+    return clamp_count(value, 1, MAX_ROUND_TOKENS, default)
 
 
 def openai_finish_reason(reason: str) -> str:
@@ -64,23 +77,49 @@ class Decoded:
 
 @dataclass
 class Steps:
-    """Where the ids come from: a session's prefill and decode steps, or a speculative decoder
-    (``speculative.SpeculativeDecoder``: drafts verified in rounds) over it."""
+    """Where the ids come from: a session's prefill and decode steps, in rounds of up to
+    ``round_tokens`` steps per submit and readback (``ChunkedSession.decode_round``), or a
+    speculative decoder (``speculative.SpeculativeDecoder``: drafts verified in rounds) over it.
+
+    A round runs ahead of the loop: the ids it sampled past the end of the generation (an
+    end-of-generation id, a stop string, the budget, Stop) are discarded and the session
+    rewound over them (``finish``), so its position and cache are those of one step at a time.
+    The sampler draws from a hash of the seed and the position, so the ids are the same for
+    every round length. A step that needs the host first (a grammar mask, a logprobs row) runs
+    alone."""
 
     session: object
     speculator: object = None
+    round_tokens: int = 1
     _queue: list = field(default_factory=list)
+
+    def __post_init__(self):
+        session = self.session
+        if self.round_tokens > 1 and not session.rewindable:  # a ring rewinds only so far
+            self.round_tokens = max(1, min(self.round_tokens, session.max_rewind + 1))
 
     def first(self, ids, sampling, **extra):
         if self.speculator is not None:
             return self.speculator.start(ids, extra.get("should_stop"))
         return self.session.prefill(ids, sampling, **extra)
 
-    def next(self, sampling, **extra):
+    def next(self, sampling, room: int, **extra):
+        """The next id; ``room``: how many more ids the generation may still take."""
         if self.speculator is not None:
             self._queue = self._queue or self.speculator.round()
             return self._queue.pop(0)
+        if self.round_tokens > 1 and not extra:
+            if not self._queue:
+                self._queue = self.session.decode_round(min(self.round_tokens, room), sampling)
+            if self._queue:
+                return self._queue.pop(0)
         return self.session.step(sampling, **extra)
+
+    def finish(self) -> None:
+        """Take back the steps of a round the generation did not use."""
+        if self.speculator is None and self._queue:
+            self.session.rewind(self.session.position - len(self._queue))
+        self._queue = []
 
 
 def decode(steps: Steps, ids: list, out: Decoded, *, sampling, budget: int, stop_ids, decoder=None,
@@ -154,8 +193,9 @@ def decode(steps: Steps, ids: list, out: Decoded, *, sampling, budget: int, stop
             step = dict(extra)
             if matcher is not None:
                 step["mask"] = mask(budget - produced)  # the answer ends (EOS) within the budget
-            next_id = steps.next(sampling, **step)
+            next_id = steps.next(sampling, budget - produced, **step)
     finally:
+        steps.finish()
         elapsed = time.perf_counter() - first
         out.decode_tokens_per_s = (produced - 1) / elapsed if produced > 1 and elapsed > 0 else 0.0
         if matcher is not None:

@@ -76,7 +76,7 @@ class ScriptedNeedle3:
         self.replies, self.prefills, self.sessions = list(replies), [], []
         self.capabilities = Capabilities(heads=frozenset({CONFIDENCE_HEAD} if confidence else ()),
                                          confidence=confidence, mask=True)
-        self.name, self.warnings = "needle-wgpu-scriptedneedle3", []
+        self.name, self.warnings, self.device = "needle-wgpu-scriptedneedle3", [], None
 
     def session(self, context=None, kv="f32", confidence=False):
         self.sessions.append(ScriptedSession(self, context, confidence))

@@ -99,7 +99,7 @@ class RecordingGpu:
         self.tokenizer, self.chat = TOKENIZER, Needle3Chat()
         # a confidence head (the session fakes its logit), not scored alongside generation
         self.capabilities = Capabilities(heads=frozenset({CONFIDENCE_HEAD}), mask=True)
-        self.name, self.warnings = "needle-wgpu-recording", []
+        self.name, self.warnings, self.device = "needle-wgpu-recording", [], None
         self.script = list(script)
         self.fail_at, self.fail_with = fail_at, fail_with
         self.confidence_value = confidence_value

@@ -78,6 +78,7 @@ class ScriptedGpu:
         self.replies, self.prefills, self.rewinds, self.sessions = list(replies), [], [], []
         self.fail_next = False
         self.capabilities, self.name, self.warnings = Capabilities(mask=True), "needle-wgpu-scriptedgpu", []
+        self.device = None  # no GPU: one decode step per round
 
     def session(self, context=None, kv="f32"):
         self.sessions.append(ScriptedSession(self, context))

@@ -92,3 +92,54 @@ def test_no_room_runs_nothing():
 def test_every_finish_reason_maps_to_one_of_openais():
     assert {openai_finish_reason(r) for r in FINISH_REASONS} == {"stop", "length", "tool_calls"}
     assert openai_finish_reason("eos") == openai_finish_reason("stop") == "stop"
+
+
+def test_the_round_length_defaults_by_adapter_kind_and_saturates():
+    from needle_wgpu.generation import MAX_ROUND_TOKENS, round_tokens
+    from needle_wgpu.gpu.device import ROUND_TOKENS, Device
+
+    software, hardware = Device(), Device()
+    software.software_rasterizer, hardware.software_rasterizer = True, False
+    assert round_tokens(None, software) == ROUND_TOKENS["software"] == 1
+    assert round_tokens(None, hardware) == ROUND_TOKENS["hardware"] > 1
+    assert round_tokens(None, None) == 1  # a model without a device (a scripted one)
+    for value, expected in ((3, 3), (3.9, 3), (0, 1), (-5, 1), (10 ** 9, MAX_ROUND_TOKENS),
+                            (float("nan"), 4), ("x", 4), (float("inf"), 4)):
+        assert round_tokens(value, hardware) == expected, value
+
+
+def test_a_round_that_overshoots_is_taken_back():
+    """Steps with rounds of 4 over a scripted session: the ids past the generation's end are
+    discarded and the session's position is what one step at a time leaves."""
+
+    class Rounds:
+        rewindable, max_rewind, context = True, 0, 64
+
+        def __init__(self):
+            self.position, self.rounds = 0, []
+
+        def prefill(self, ids, sampling=None, **extra):
+            self.position = len(ids)
+            return 10
+
+        def decode_round(self, count, sampling):
+            self.rounds.append(count)
+            start = self.position
+            self.position += count
+            return [11 + start - 3 + i for i in range(count)]  # ids 11, 12, ... by position
+
+        def step(self, sampling, **extra):
+            raise AssertionError("a plain step while rounds are asked for")
+
+        def rewind(self, position):
+            self.position = position
+
+    session = Rounds()
+    out = Decoded()
+    list(decode(Steps(session, round_tokens=4), [1, 2, 3], out, sampling=Sampling(), budget=6, stop_ids={14}))
+    assert out.ids == [10, 11, 12, 13] and out.finish_reason == "eos"
+    assert session.rounds == [4] and session.position == 3 + 4  # four steps fed 10..13; 15 taken back
+    session, out = Rounds(), Decoded()
+    list(decode(Steps(session, round_tokens=4), [1, 2, 3], out, sampling=Sampling(), budget=6, stop_ids=set()))
+    assert out.ids == [10, 11, 12, 13, 14, 15] and session.rounds == [4, 1]  # the budget bounds a round
+    assert session.position == 3 + 5

@@ -13,10 +13,59 @@ import time
 from .. import load
 from ..default_model import default_model
 from ..errors import DepthError, InputError
+from ..generation import Decoded, Steps, decode
+from ..gpu.device import thread_clock
 from ..grammar import compile_schema
 from ..sampling import Sampling, clamp_count
 from ..speculative import MAX_DRAFT, SpeculativeDecoder, speculative_option
 from .options import Progress
+
+
+def host_cost(model, prompt: list, tokens: int, round_tokens: int = 1) -> dict:
+    """The host's cost per decoded token through the one generation loop (``generation.decode``,
+    as every surface runs it: the tokenizer's stream decoder, stop checks, bookkeeping), greedy,
+    ``tokens`` ids with no end-of-generation id, ``round_tokens`` steps per submit. Measured
+    from the last id of the first round (whose plan is built then) to the last: the calling thread's CPU time (``gpu.device.thread_clock``:
+    GPU work on other threads does not count) split into encode+submit, readback and the rest,
+    the readback's wall time, and the ceiling that host time alone allows (1000 / host ms)."""
+    device = model.gpu.device
+    session = model.gpu.session(context=len(prompt) + tokens + 1)
+    decoder = model.tokenizer.stream_decoder(at_text_start=False) if model.tokenizer is not None else None
+    c = device.counters
+    marks = []
+
+    def mark():
+        marks.append((thread_clock(), time.perf_counter(), c.encode_cpu_s, c.read_cpu_s, c.read_wall_s,
+                      c.dispatches, c.submits, c.bytes_read))
+
+    try:
+        out = Decoded()
+        for event in decode(Steps(session, round_tokens=round_tokens), prompt, out, sampling=Sampling(),
+                            budget=tokens, stop_ids=set(), decoder=decoder):
+            if event.id is not None and len(out.ids) == round_tokens + 1:
+                mark()
+        mark()
+    finally:
+        session.close()
+    if len(marks) < 2:
+        raise InputError(f"the host cost needs more than {round_tokens + 1} decode tokens at {round_tokens} a round")
+    steps = len(out.ids) - 1 - round_tokens
+    cpu, wall, encode, read_cpu, read_wall, dispatches, submits, read = (
+        (b - a) / steps for a, b in zip(marks[0], marks[-1]))
+    host_ms = 1000 * cpu
+    return {"tokens_per_round": round_tokens, "decoded": len(out.ids),
+            "host_cpu_ms_per_token": round(host_ms, 3), "encode_submit_ms": round(1000 * encode, 3),
+            "readback_cpu_ms": round(1000 * read_cpu, 3), "other_ms": round(host_ms - 1000 * (encode + read_cpu), 3),
+            "readback_wall_ms": round(1000 * read_wall, 3), "wall_ms_per_token": round(1000 * wall, 3),
+            "tok_s": round(1 / max(wall, 1e-9), 3), "host_ceiling_tok_s": round(1000 / max(host_ms, 1e-6), 1),
+            "dispatches_per_token": round(dispatches, 2), "submits_per_token": round(submits, 3),
+            "bytes_read_per_token": round(read, 2)}
+
+
+def _rounds(args) -> list:
+    """The round lengths ``--tokens-per-round`` asks the host-cost table for (default 1 and 4)."""
+    asked = getattr(args, "tokens_per_round", None) or [1, 4]
+    return sorted({clamp_count(k, 1, 64, 1) for k in asked})
 
 
 def _counters(device) -> tuple:
@@ -84,6 +133,7 @@ def run_benchmark(args) -> dict:
     session.close()
     if depth is not None:
         result["depth"] = model.describe()["depth"]
+    result["host"] = [host_cost(model, prompt, decode_tokens, k) for k in _rounds(args)]
     rungs = getattr(args, "rungs", None)
     if rungs:
         result["rungs"] = [_rung_speed(model.gpu, d, prompt, decode_tokens) for d in _depths(rungs, model.gpu)]

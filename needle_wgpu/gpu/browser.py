@@ -361,19 +361,36 @@ class BrowserDevice(Device):
         except Exception as exc:
             raise _translate(exc, "creating a bind group") from None
 
-    def _submit(self, dispatches, copies):
+    def _submit(self, encoded, copies):
         self._guard("submit")
         try:
             encoder = self._device.createCommandEncoder()
-            if dispatches:
+            if any(encoded):
+                compute = encoder.beginComputePass()
+                for dispatches in encoded:
+                    for d in dispatches:
+                        compute.setPipeline(d.pipeline)
+                        compute.setBindGroup(0, d.bind_group)
+                        compute.dispatchWorkgroups(*d.groups)
+                compute.end()
+            for source, src_offset, target, dst_offset, size in copies:
+                encoder.copyBufferToBuffer(source.handle, src_offset, target.handle, dst_offset, size)
+            self._queue.submit([encoder.finish()])
+        except Exception as exc:
+            raise _translate(exc, "submitting work") from None
+
+    def _submit_steps(self, dispatches, copies):
+        self._guard("submit")
+        try:
+            encoder = self._device.createCommandEncoder()
+            for source, src_offset, target, dst_offset, size in copies:
+                encoder.copyBufferToBuffer(source, src_offset, target, dst_offset, size)
                 compute = encoder.beginComputePass()
                 for d in dispatches:
                     compute.setPipeline(d.pipeline)
                     compute.setBindGroup(0, d.bind_group)
                     compute.dispatchWorkgroups(*d.groups)
                 compute.end()
-            for source, src_offset, target, dst_offset, size in copies:
-                encoder.copyBufferToBuffer(source.handle, src_offset, target.handle, dst_offset, size)
             self._queue.submit([encoder.finish()])
         except Exception as exc:
             raise _translate(exc, "submitting work") from None

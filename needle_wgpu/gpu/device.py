@@ -13,10 +13,30 @@ compute pass and a single submit.
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass, field
 
 from ..errors import DeviceError, DeviceLimitError
 from .shaders import shader_source, struct_layout
+
+
+def _thread_clock():
+    """The calling thread's CPU clock; where the platform has none (a WebAssembly build may
+    not), the wall clock, which on Pyodide's one thread is the same thing."""
+    try:
+        time.thread_time()
+        return time.thread_time
+    except (AttributeError, OSError):
+        return time.perf_counter
+
+
+thread_clock = _thread_clock()
+
+# Decode steps per round by adapter kind, as measured (BENCHMARKS.md, "Host cost per token"): on
+# a GPU the host's time is the bound, and 4 steps a round cut it 2.3x (1.75 -> 0.76 ms a token on
+# SmolLM2); on a software rasterizer the GPU's own time is 100x the host's, so a round gains
+# nothing and would only make streamed text arrive in bursts.
+ROUND_TOKENS = {"hardware": 4, "software": 1}
 
 UNIFORM_ALIGN = 256
 
@@ -91,6 +111,12 @@ class Counters:
     bytes_read: int = 0
     bytes_written: int = 0
     bytes_allocated: dict = field(default_factory=dict)
+    # The calling thread's CPU time (``thread_clock``) spent encoding and submitting passes, and
+    # reading back (mostly waiting for the GPU), and the readback's wall time: the host's cost
+    # per token the benchmark splits out (GPU work on other threads does not count).
+    encode_cpu_s: float = 0.0
+    read_cpu_s: float = 0.0
+    read_wall_s: float = 0.0
 
     def allocate(self, kind: str, size: int) -> None:
         self.bytes_allocated[kind] = self.bytes_allocated.get(kind, 0) + size
@@ -161,6 +187,7 @@ class Plan:
         self.device = device
         self.label = label
         self.dispatches: list = []
+        self.encoded = None  # the back end's ready-to-encode form of the dispatches (Device.encoded)
 
     def add(self, key: KernelKey, bindings: list, groups, label: str = "") -> None:
         pipeline = self.device.pipeline(key)
@@ -205,8 +232,25 @@ class Device:
     def _create_bind_group(self, pipeline, bindings: list):
         raise NotImplementedError
 
-    def _submit(self, dispatches: list, copies: list) -> None:
+    def _encode_form(self, dispatches: list):
+        """The dispatches as this back end encodes them fastest (built once per plan)."""
+        return dispatches
+
+    def _submit(self, encoded: list, copies: list) -> None:
+        """One submit: a compute pass of every plan's encoded dispatches, then the copies."""
         raise NotImplementedError
+
+    def _submit_steps(self, encoded, copies: list) -> None:
+        """One submit of len(copies) passes of one plan's encoded dispatches, pass i after copy i."""
+        raise NotImplementedError
+
+    def encoded(self, plan: Plan):
+        """``plan``'s dispatches in the back end's encode form, made at its first run (a plan is
+        complete once built; one that grew since is encoded again)."""
+        form = plan.encoded
+        if form is None or form[0] != len(plan.dispatches):
+            form = plan.encoded = (len(plan.dispatches), self._encode_form(plan.dispatches))
+        return form[1]
 
     def preamble(self) -> str:
         """Back-end specific WGSL directives (``enable`` lines) put before every source."""
@@ -239,8 +283,12 @@ class Device:
     def read(self, buffer: Buffer, size: int | None = None, offset: int = 0) -> bytes:
         """Copy back ``size`` bytes (a multiple of 4) and wait for them."""
         size = buffer.size - offset if size is None else size
+        cpu, wall = thread_clock(), time.perf_counter()
         data = self._read(buffer.handle, offset, size)
-        self.counters.bytes_read += size
+        counters = self.counters
+        counters.read_cpu_s += thread_clock() - cpu
+        counters.read_wall_s += time.perf_counter() - wall
+        counters.bytes_read += size
         return data
 
     def pipeline(self, key: KernelKey):
@@ -268,10 +316,29 @@ class Device:
 
     def run(self, *plans: Plan, copies: list = ()) -> None:
         """Record every dispatch of the plans into one pass and submit once."""
-        dispatches = [d for plan in plans for d in plan.dispatches]
-        self._submit(dispatches, list(copies))
-        self.counters.dispatches += len(dispatches)
-        self.counters.submits += 1
+        cpu = thread_clock()
+        self._submit([self.encoded(plan) for plan in plans], list(copies))
+        counters = self.counters
+        counters.encode_cpu_s += thread_clock() - cpu
+        counters.dispatches += sum(len(plan.dispatches) for plan in plans)
+        counters.submits += 1
+
+    @property
+    def round_tokens(self) -> int:
+        """Decode steps per submit and readback when a request does not say
+        (``generation.round_tokens``), by adapter kind (``ROUND_TOKENS``)."""
+        return ROUND_TOKENS["software" if self.software_rasterizer else "hardware"]
+
+    def run_steps(self, plan: Plan, records: Buffer, uniform: Buffer, count: int) -> None:
+        """``count`` runs of ``plan`` in one submit, run i after the 16-byte record i of
+        ``records`` is copied into ``uniform`` (a multi-token decode round: each step at its own
+        position, the records written beforehand with one ``write``)."""
+        cpu = thread_clock()
+        self._submit_steps(self.encoded(plan), [(records.handle, 16 * i, uniform.handle, 0, 16) for i in range(count)])
+        counters = self.counters
+        counters.encode_cpu_s += thread_clock() - cpu
+        counters.dispatches += count * len(plan.dispatches)
+        counters.submits += 1
 
     @property
     def pipeline_count(self) -> int:

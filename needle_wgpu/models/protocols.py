@@ -5,7 +5,7 @@ A family is a module (``families.py``: ``sniff``, ``read``, ``open``, ``describe
 
 - ``geometry`` (``vocab``, ``head_rows``, ``max_seq_len``, ``num_layers``), ``tokenizer`` (or
   None), ``chat`` (a chat format: below), ``name`` (what the file calls itself), ``warnings``
-  (problems of a file that loaded), ``describe()``;
+  (problems of a file that loaded), ``device`` (its ``gpu.device.Device``), ``describe()``;
 - ``session(context=None, kv=None, **heads)``: a ``models.session.ChunkedSession``;
 - ``capabilities``: a ``Capabilities`` record. The API reads it, never probes attributes: what
   a record says the model lacks is refused with ``UnsupportedModelError`` (or ``DepthError``).

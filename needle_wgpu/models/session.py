@@ -81,6 +81,7 @@ class ChunkedSession:
         self.tokens = device.buffer(4 * (self.context + 1), label="tokens", kind="session")
         self.result = device.buffer(16, label="sampled", kind="session")
         self.mask = None  # constrained decoding: the allowed-id bitmask, made at its first use
+        self.round_records = None  # a multi-token round's step records (pos0 each), made at its first use
 
     def _build(self, key: PlanKey) -> Plan:
         """The family's forward of one chunk (``key.positions`` positions from pos0)."""
@@ -177,20 +178,34 @@ class ChunkedSession:
                               + (f"; at most {self.max_rewind} positions back)" if self.max_rewind else ")"))
         self.position = position
 
+    def decode_round(self, count: int, sampling: Sampling) -> list:
+        """``count`` decode steps in one submit, as ``count`` calls of ``step`` would run them
+        (each feeds the id the one before sampled, which the sampler left in ``tokens``), and
+        one readback of their ``count`` ids (4 bytes each): a multi-token round of the
+        generation loop. Steps past the context are not run; ``rewind`` takes back the ones
+        the caller does not keep."""
+        return self._round(count, sampling, self.context - self.position)
+
     def draft(self, count: int, sampling: Sampling, read: bool = True) -> list:
         """``count`` decode steps from the id already at ``tokens[position]`` (each step's id
-        goes into the next position's slot), then one readback of the ``count`` ids (none with
-        ``read`` false: ``verify_drafts`` copies them on the GPU)."""
+        goes into the next position's slot), leaving one position free for the verify, then one
+        readback of the ``count`` ids (none with ``read`` false: ``verify_drafts`` copies them
+        on the GPU)."""
+        return self._round(count, sampling, self.context - 1 - self.position, read)
+
+    def _round(self, count, sampling: Sampling, room: int, read: bool = True) -> list:
         self._check()
         sampling = session_sampling(sampling, self.logit_rows, required=True)
-        count = clamp_count(count, 0, self.context - 1 - self.position, 0)
+        count = clamp_count(count, 0, max(room, 0), 0)
+        if count == 0:
+            return []
         start, dev = self.position, self.device
-        plan = self._plan(PlanKey(1, sampling))
-        for i in range(count):
-            dev.write(self.step_uniform, struct.pack("<4I", start + i, 0, 0, 0))
-            dev.run(plan)
+        if self.round_records is None or self.round_records.size < 16 * count:
+            self.round_records = dev.buffer(16 * max(count, 16), label="round", kind="session")
+        dev.write(self.round_records, b"".join(struct.pack("<4I", start + i, 0, 0, 0) for i in range(count)))
+        dev.run_steps(self._plan(PlanKey(1, sampling)), self.round_records, self.step_uniform, count)
         self.position += count
-        if count == 0 or not read:
+        if not read:
             return []
         return list(struct.unpack(f"<{count}I", dev.read(self.tokens, 4 * count, 4 * (start + 1))))
 

@@ -1,0 +1,88 @@
+"""Multi-token decoding (generation.Steps, ChunkedSession.decode_round): k decode steps in one
+submit and one 4k-byte readback give exactly the ids of one step at a time, for every k, greedy
+and sampled, with penalties, stop strings that land inside a round, budgets that are not a
+multiple of k, and a conversation whose cache must hold exactly what one step at a time leaves."""
+
+import pytest
+
+import needle_wgpu
+from needle_wgpu.synth import synthesize
+from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+pytestmark = pytest.mark.gpu
+ROUNDS = (1, 2, 3, 8)
+OPTIONS = [
+    dict(),
+    dict(temperature=0.9, top_k=40, seed=7),
+    dict(temperature=0.7, top_p=0.9, seed=3, repetition_penalty=1.3, frequency_penalty=0.5),
+]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory, device):
+    path = write_dense_gguf(tmp_path_factory.mktemp("rounds") / "llama.gguf",
+                            SynthDense(arch="llama", qtype="Q8_0", seed=3), tokenizer="bytes")
+    return needle_wgpu.load(str(path), device=device)
+
+
+@pytest.fixture(scope="module")
+def needle3(device):
+    return needle_wgpu.load(synthesize("tiny", 0), device=device)
+
+
+def run(model, k, **options):
+    result = needle_wgpu.api.GenerationResult("", [], "empty", 0)
+    events = list(model.stream(ids=[2, 40, 41, 42, 43], max_tokens=19, context=64, tokens_per_round=k,
+                               result=result, **options))
+    return result, events
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["greedy", "top-k", "penalties"])
+@pytest.mark.parametrize("family", ["dense", "needle3"])
+def test_every_round_length_gives_the_same_ids(request, family, options):
+    model = request.getfixturevalue(family)
+    plain, _ = run(model, 1, **options)
+    assert plain.ids
+    for k in ROUNDS[1:]:
+        result, events = run(model, k, **options)
+        assert (result.ids, result.text, result.finish_reason) == (plain.ids, plain.text, plain.finish_reason), k
+        assert [e.id for e in events if e.id is not None] == result.ids
+
+
+def test_a_stop_inside_a_round_ends_where_one_step_ends(dense):
+    plain, _ = run(dense, 1)
+    stop = plain.text[len(plain.text) // 2:][:2]  # text that first appears mid-generation
+    assume = stop and stop in plain.text
+    assert assume
+    expected, _ = run(dense, 1, stop=[stop])
+    for k in (4, 8):
+        result, _ = run(dense, k, stop=[stop])
+        assert (result.ids, result.text, result.finish_reason) == (expected.ids, expected.text, "stop")
+
+
+def test_a_round_is_one_submit_and_reads_four_bytes_an_id(dense, device):
+    session = dense.gpu.session(context=64)
+    try:
+        greedy = needle_wgpu.sampling.Sampling()
+        session.prefill([2, 40, 41], greedy)
+        c = device.counters
+        before = (c.submits, c.bytes_read, c.dispatches)
+        ids = session.decode_round(6, greedy)
+        submits, read, dispatches = (a - b for a, b in zip((c.submits, c.bytes_read, c.dispatches), before))
+        one = session._plan(needle_wgpu.models.session.PlanKey(1, greedy)).dispatches
+        assert (len(ids), submits, read, dispatches, session.position) == (6, 1, 24, 6 * len(one), 9)
+        assert session.decode_round(100, greedy) and session.position == 64  # no step past the context
+    finally:
+        session.close()
+
+
+def test_a_conversation_keeps_the_cache_one_step_at_a_time_would(dense):
+    replies = {}
+    for k in (1, 5):
+        conversation = dense.conversation(context=256)
+        first = conversation.send("ab", max_tokens=7, tokens_per_round=k)
+        second = conversation.send("cd", max_tokens=9, tokens_per_round=k)
+        replies[k] = (first["content"], second["content"], conversation.turns[1].reused,
+                      conversation.turns[1].prefilled, conversation.session.position)
+        conversation.close()
+    assert replies[5] == replies[1]
