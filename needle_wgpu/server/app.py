@@ -209,7 +209,7 @@ def error_response(error: ApiError) -> Response:
 
 def dumps(payload) -> str:
     """JSON text; a non-finite float (a -inf logprob) becomes ±9999.0 (OpenAI's floor) or null."""
-    return json.dumps(_finite(payload), ensure_ascii=False, allow_nan=False, default=str)
+    return json.dumps(_finite(payload), allow_nan=False, default=str)  # ASCII: lone surrogates survive
 
 
 def _finite(value):

@@ -78,3 +78,49 @@ def served(tiny_gguf):
 
 def limits(**changes) -> Limits:
     return Limits(**changes)
+
+
+# ------------------------------------------------------------------------ a GPU-free paced model
+
+
+def paced_model(script: str, pace_s: float):
+    """A ``Model`` over ``test_conversation.ScriptedGpu`` (SmolLM2's tokenizer and template, no
+    GPU) that answers every request with ``script``; each decode step waits for a token from
+    ``model.gpu.gate`` (a semaphore the test releases) or ``pace_s``, whichever comes first:
+    a gated model with a long pace, a slow one with a short pace."""
+    from needle_wgpu.api import Model
+    from tests.test_conversation import ScriptedGpu, ScriptedSession
+
+    class PacedSession(ScriptedSession):
+        def prefill(self, ids, sampling=None, should_stop=None):
+            self.gpu.replies = [self.gpu.script]
+            return super().prefill(ids, sampling, should_stop)
+
+        def step(self, sampling):
+            self.gpu.gate.acquire(timeout=self.gpu.pace_s)
+            self.gpu.steps += 1
+            return super().step(sampling)
+
+    class PacedGpu(ScriptedGpu):
+        def __init__(self):
+            super().__init__()
+            self.script, self.pace_s, self.gate, self.steps = script, pace_s, threading.Semaphore(0), 0
+
+        def session(self, context=None, kv="f32"):
+            self.sessions.append(PacedSession(self, context))
+            return self.sessions[-1]
+
+    return Model(PacedGpu())
+
+
+COUNTING = " ".join(f"w{i}" for i in range(400))  # 400+ tokens of reply
+
+
+def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition"):
+    """Poll ``condition()`` (bounded: ``timeout_s``), for state another thread changes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        threading.Event().wait(0.01)
+    pytest.fail(f"{what} did not happen within {timeout_s} s")
