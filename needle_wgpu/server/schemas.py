@@ -24,7 +24,8 @@ class StreamOptions(_Request):
 
 
 class Message(_Request):
-    role: str = Field(description="system, developer (read as system), user, assistant or tool")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer is read as system")
     content: Union[str, list[dict[str, Any]], None] = Field(
         default=None, description="text, or a list of {'type': 'text', 'text': ...} parts")
     name: Optional[str] = None

@@ -42,7 +42,7 @@ HOSTILE = [
     ("top_logprobs 1000", chat(logprobs=True, top_logprobs=1000), CHAT, 200),
     ("a model that is a number", chat(model=5), CHAT, 422),
     ("no messages", chat(messages=[]), CHAT, 400),
-    ("an unknown role", chat(messages=[{"role": "wizard", "content": "x"}]), CHAT, 400),
+    ("an unknown role", chat(messages=[{"role": "wizard", "content": "x"}]), CHAT, 422),
     ("ends with the assistant", chat(messages=[{"role": "assistant", "content": "x"}]), CHAT, 400),
     ("image content", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      CHAT, 400),
