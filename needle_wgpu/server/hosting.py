@@ -25,9 +25,14 @@ class ModelHost:
             for alias in (spec.name, *spec.aliases):
                 self.names.setdefault(alias, spec.name)
         self.created = int(time.time())
+        self.started = False
 
     def start(self) -> None:
-        """Load every model (in parallel, each on its own thread); raise when one fails."""
+        """Load every model (in parallel, each on its own thread); raise when one fails. Once
+        only: the command line loads before it listens, the app's start-up then finds them."""
+        if self.started:
+            return
+        self.started = True
         for scheduler in self.schedulers.values():
             scheduler.start()
         failed = []

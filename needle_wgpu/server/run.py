@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uvicorn
 
+from ..errors import NeedleError
 from .app import create_app
 from .config import ServerConfig
 
@@ -28,7 +29,13 @@ def server(config: ServerConfig, host: str = "127.0.0.1", port: int = 8080, log_
 
 
 def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 when the models could not load."""
+    """Load the models, then serve until SIGTERM/SIGINT (uvicorn re-raises the signal once it has
+    shut down). A model that cannot be loaded is a ``NeedleError`` naming it, before anything
+    listens; 1 when uvicorn cannot start (the port is taken)."""
     runner = server(config, host, port, log_level)
+    try:
+        runner.config.app.state.host.start()
+    except RuntimeError as exc:
+        raise NeedleError(str(exc)) from None
     runner.run()
     return 0 if runner.started else 1

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..errors import DeviceLostError
 from .errors import ApiError, cancelled, error_of, queue_full, shutting_down, timed_out
 
 log = logging.getLogger("needle_wgpu.server")
@@ -73,6 +74,7 @@ class SequentialStepper:
 
     def __init__(self, finish: Callable):
         self.active: list = []
+        self.device_lost = False  # a step lost the device: the scheduler loads the model again
         self.finish = finish  # finish(job, error or None): the scheduler's bookkeeping
 
     def has_room(self) -> bool:
@@ -91,6 +93,7 @@ class SequentialStepper:
                 self.leave(job, job.stopped_error() if job.stop_reason else None)
                 continue
             except BaseException as exc:  # noqa: BLE001  the request fails, the worker goes on
+                self.device_lost = self.device_lost or isinstance(exc, DeviceLostError)
                 self.leave(job, job.stopped_error() if job.stop_reason else error_of(exc))
                 continue
             if job.stop_reason:  # the engine stopped because it was asked to: no result
@@ -209,14 +212,28 @@ class Scheduler:
                 while self.queue and self.stepper.has_room():
                     admitted.append(self.queue.popleft())
                 stale = [job for job in self.stepper.active if job.should_stop()]
+            if admitted and self.stepper.device_lost and not self.stepper.active:
+                self._reload()
             for job in admitted:
                 if job.should_stop():  # cancelled or out of time while it waited
                     self._finish(job, job.stopped_error())
+                elif self.stepper.device_lost:
+                    self._finish(job, error_of(DeviceLostError("the GPU device was lost and the model could not be "
+                                                               "loaded again")))
                 else:
                     self.stepper.admit(job, self.model)
             for job in stale:
                 self.stepper.leave(job, job.stopped_error())
             self.stepper.step()
+
+    def _reload(self) -> None:
+        """After a lost device, the model again on a new one (the next request's first step)."""
+        log.warning("model %s: the device was lost, loading the model again", self.name)
+        try:
+            self.model = self.load()
+            self.stepper.device_lost = False
+        except BaseException as exc:  # noqa: BLE001  the requests get a 503 and the next one tries again
+            log.error("model %s: loading it again failed: %s", self.name, exc)
 
     def _finish(self, job: Job, error: ApiError | None) -> None:
         with self.finish_lock:  # the worker and a cancelling client may both get here

@@ -224,3 +224,21 @@ def test_a_client_that_leaves_mid_stream_cancels_its_sequence_at_the_next_step(t
         again = client.post(CHAT, json={"model": "paced", "messages": USER, "max_tokens": 3})
         content = again.json()["choices"][0]["message"]["content"]
         assert again.status_code == 200 and content and COUNTING.startswith(content)
+
+
+def test_a_lost_device_is_a_503_and_the_model_is_loaded_again():
+    loads = []
+
+    def load():
+        loads.append(paced_model("fine", pace_s=0))
+        return loads[-1]
+
+    with live_server(ServerConfig(models=(ModelSpec("paced", load),))) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as client:
+        loads[-1].gpu.fail_next = True  # the next prefill raises DeviceLostError
+        lost = client.post(CHAT, json={"model": "paced", "messages": USER})
+        assert lost.status_code == 503 and lost.json()["error"]["code"] == "device_error"
+        assert lost.headers["Retry-After"] == "5"
+        again = client.post(CHAT, json={"model": "paced", "messages": USER})
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == "fine"
+        assert len(loads) == 2

@@ -69,3 +69,15 @@ def test_sigterm_ends_in_flight_streams_and_the_process(tiny_gguf, tmp_path):
     else:  # it finished within the grace period
         assert any(json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[1:-1]
                    if json.loads(line[6:]).get("choices"))
+
+
+def test_a_model_that_cannot_load_is_one_line_and_status_2(tiny_gguf, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(tiny_gguf.read_bytes()[:1000])
+    for args in ([str(broken)], [str(tmp_path / "missing.gguf")], [f"a={tiny_gguf}", f"a={broken}"]):
+        done = subprocess.run([sys.executable, "-m", "needle_wgpu", "serve", *args, "--port", str(free_port())],
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                              timeout=BOUND_S)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("needle-wgpu: ") and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
