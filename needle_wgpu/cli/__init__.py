@@ -1,4 +1,4 @@
-"""The ``needle-wgpu`` command: generate, info, bench, verdict, synth.
+"""The ``needle-wgpu`` command: generate, chat, info, logits, bench, heads, verdict, synth, serve.
 
 It never prints a traceback: a ``NeedleError`` is one line on stderr and exit status 2, output
 that cannot be written (a full disk, a closed pipe) is handled, and text that the terminal's
@@ -24,6 +24,7 @@ from ..grammar import GrammarError, compile_schema
 from ..sampling import clamp_count
 from .bench import run_benchmark, run_constrained_benchmark, speculative_pairs
 from .chat import run_chat
+from .serve import add_serve_parser
 from .options import Progress, add_sampling_options, join_option_values, sampling_keywords, writes_utf8
 
 DEFAULT_QUERY = "What's the weather in Paris?"
@@ -336,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(run=cmd_verdict)
 
     sub.add_parser("synth", help="write a seeded synthetic Needle 3 model (synth --help)")
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,252 @@
+"""One scheduler per served model: a bounded queue in front of a worker thread that owns the
+model's GPU (the model is loaded on that thread, and every wgpu call of it is made there).
+
+The HTTP layer only ever calls ``Scheduler.submit(job)`` and ``Job.cancel``, and reads the
+job's events (``Job.events``: ``("data", payload)`` ... then ``("end", None)`` or ``("error",
+ApiError)``). How the worker advances its jobs is the stepper's business: ``SequentialStepper``
+runs one sequence at a time, one event per step. A batched engine session replaces it with a
+stepper whose ``step`` advances every admitted sequence by one token (its ``capacity`` the KV
+pool's sequences); ``Scheduler`` and the HTTP layer stay as they are.
+
+A job ends early, at its next step (or the engine's next ``should_stop`` question, asked before
+each prefill chunk and each decode step), when its client disconnects, when its time limit
+passes, or when the server shuts down; a job that ends early never delivers a result.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import DeviceLostError
+from .errors import ApiError, cancelled, error_of, queue_full, shutting_down, timed_out
+
+log = logging.getLogger("needle_wgpu.server")
+
+CANCELLED, TIMEOUT, SHUTDOWN = "cancelled", "timeout", "shutdown"
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's work. ``body(model, job)`` is a generator of payloads (the chunks of a
+    stream, or the one response of a request that is not streamed), run on the worker thread.
+    ``deliver(event)`` hands an event to the waiting client; it must not block."""
+
+    endpoint: str
+    body: Callable
+    deliver: Callable
+    time_limit_s: float
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    stop_reason: str | None = None
+    usage: dict = field(default_factory=dict)  # what the body reports for the metrics
+    events: object = None  # the running body (a generator), while admitted
+    finished: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.submitted + self.time_limit_s
+
+    def cancel(self, reason: str = CANCELLED) -> None:
+        """Ask the job to end at its next step (any thread)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def should_stop(self, done=None, total=None) -> bool:
+        """The engine's ``should_stop``: asked before each prefill chunk and decode step."""
+        if self.stop_reason is None and time.monotonic() > self.deadline:
+            self.stop_reason = TIMEOUT
+        return self.stop_reason is not None
+
+    def stopped_error(self) -> ApiError:
+        return {TIMEOUT: timed_out(self.time_limit_s), SHUTDOWN: shutting_down()}.get(self.stop_reason, cancelled())
+
+
+class SequentialStepper:
+    """The one-sequence step: at most ``capacity`` (1) job admitted; ``step`` advances it by
+    one event of its body (a token's chunk while streaming, the whole response otherwise)."""
+
+    capacity = 1
+
+    def __init__(self, finish: Callable):
+        self.active: list = []
+        self.device_lost = False  # a step lost the device: the scheduler loads the model again
+        self.finish = finish  # finish(job, error or None): the scheduler's bookkeeping
+
+    def has_room(self) -> bool:
+        return len(self.active) < self.capacity
+
+    def admit(self, job: Job, model) -> None:
+        job.started = time.monotonic()
+        job.events = job.body(model, job)
+        self.active.append(job)
+
+    def step(self) -> None:
+        for job in list(self.active):
+            try:
+                payload = next(job.events)
+            except StopIteration:
+                self.leave(job, job.stopped_error() if job.stop_reason else None)
+                continue
+            except BaseException as exc:  # noqa: BLE001  the request fails, the worker goes on
+                self.device_lost = self.device_lost or isinstance(exc, DeviceLostError)
+                self.leave(job, job.stopped_error() if job.stop_reason else error_of(exc))
+                continue
+            if job.stop_reason:  # the engine stopped because it was asked to: no result
+                self.leave(job, job.stopped_error())
+            else:
+                job.deliver(("data", payload))
+
+    def leave(self, job: Job, error: ApiError | None) -> None:
+        """The job ends (finished, failed or stopped); its session is closed with its body."""
+        if job in self.active:
+            self.active.remove(job)
+        try:
+            job.events.close()
+        except BaseException as exc:  # noqa: BLE001
+            log.error("closing a request failed", exc_info=exc)
+        self.finish(job, error)
+
+
+class Scheduler:
+    """A model's queue and worker thread. ``load()`` (called on the worker) returns the
+    ``api.Model``; ``kv_bytes`` is then one sequence's KV cache in bytes (for the metrics)."""
+
+    def __init__(self, name: str, load: Callable, *, max_queue: int, metrics=None, probe_kv: Callable = None):
+        self.name, self.load, self.max_queue, self.metrics = name, load, max_queue, metrics
+        self.probe_kv = probe_kv
+        self.model = None
+        self.load_error: BaseException | None = None
+        self.kv_bytes = 0
+        self.queue: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.finish_lock = threading.Lock()
+        self.stepper = SequentialStepper(self._finish)
+        self.accepting, self.stopping = True, False
+        self.ready = threading.Event()
+        self.mean_request_s = 1.0  # for Retry-After: a running average of request time
+        self.thread = threading.Thread(target=self._run, name=f"needle-wgpu model {name}", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise the 429 (queue full) / 503 (shutting down) it gets instead."""
+        with self.cond:
+            if not self.accepting:
+                raise shutting_down()
+            if len(self.queue) >= self.max_queue:
+                wait = (len(self.queue) + len(self.stepper.active)) * self.mean_request_s / self.stepper.capacity
+                raise queue_full(self.name, wait)
+            self.queue.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job, reason: str = CANCELLED) -> None:
+        """End a job: at once if it is still waiting, else at its next step."""
+        with self.cond:
+            job.cancel(reason)
+            waiting = job in self.queue
+            if waiting:
+                self.queue.remove(job)
+            self.cond.notify()
+        if waiting:
+            self._finish(job, job.stopped_error())
+
+    def gauges(self) -> dict:
+        with self.cond:
+            active = len(self.stepper.active)
+            return {"queue_depth": len(self.queue), "active_sequences": active,
+                    "kv_bytes_in_use": active * self.kv_bytes}
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new jobs, end the queued ones (503), and give the running ones ``grace_s``
+        seconds to finish before they end with an error chunk."""
+        with self.cond:
+            self.accepting = False
+            waiting, self.queue = list(self.queue), collections.deque()
+            timer = threading.Timer(grace_s, self._end_running)
+            timer.daemon = True
+            timer.start()
+            self.cond.notify()
+        for job in waiting:
+            job.cancel(SHUTDOWN)
+            self._finish(job, shutting_down())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shut down now (running jobs end with an error) and wait for the worker."""
+        self.begin_shutdown(0.0)
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    def _end_running(self) -> None:
+        with self.cond:
+            for job in list(self.stepper.active):
+                job.cancel(SHUTDOWN)
+            self.cond.notify()
+
+    # ------------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        try:
+            self.model = self.load()
+            if self.probe_kv is not None:
+                self.kv_bytes = self.probe_kv(self.model)
+        except BaseException as exc:  # noqa: BLE001  reported by the server's start-up
+            self.load_error = exc
+            self.ready.set()
+            return
+        self.ready.set()
+        while True:
+            with self.cond:
+                while not self.queue and not self.stepper.active and not self.stopping:
+                    self.cond.wait()
+                if self.stopping and not self.queue and not self.stepper.active:
+                    return
+                admitted = []
+                while self.queue and self.stepper.has_room():
+                    admitted.append(self.queue.popleft())
+                stale = [job for job in self.stepper.active if job.should_stop()]
+            if admitted and self.stepper.device_lost and not self.stepper.active:
+                self._reload()
+            for job in admitted:
+                if job.should_stop():  # cancelled or out of time while it waited
+                    self._finish(job, job.stopped_error())
+                elif self.stepper.device_lost:
+                    self._finish(job, error_of(DeviceLostError("the GPU device was lost and the model could not be "
+                                                               "loaded again")))
+                else:
+                    self.stepper.admit(job, self.model)
+            for job in stale:
+                self.stepper.leave(job, job.stopped_error())
+            self.stepper.step()
+
+    def _reload(self) -> None:
+        """After a lost device, the model again on a new one (the next request's first step)."""
+        log.warning("model %s: the device was lost, loading the model again", self.name)
+        try:
+            self.model = self.load()
+            self.stepper.device_lost = False
+        except BaseException as exc:  # noqa: BLE001  the requests get a 503 and the next one tries again
+            log.error("model %s: loading it again failed: %s", self.name, exc)
+
+    def _finish(self, job: Job, error: ApiError | None) -> None:
+        with self.finish_lock:  # the worker and a cancelling client may both get here
+            if job.finished:
+                return
+            job.finished = True
+        job.deliver(("error", error) if error is not None else ("end", None))
+        elapsed = time.monotonic() - (job.started or job.submitted)
+        if job.started is not None:
+            self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * elapsed
+        if self.metrics is not None:
+            usage = job.usage
+            self.metrics.finished(self.name, job.endpoint, "ok" if error is None else (error.code or str(error.status)),
+                                  usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                                  usage.get("ttft_s"), usage.get("per_token_s"))
+

@@ -1,0 +1,78 @@
+"""A bounded load: 16 concurrent streaming clients, 48 requests (greedy and seeded sampling, each
+its own prompt), against a queue that holds 12. Every request either streams exactly the answer
+it gets alone (the server's non-streamed answer, asked one at a time beforehand) or is refused
+with a typed 429; nothing is lost, and afterwards nothing is queued, running or holding KV."""
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from .conftest import live_server, models  # noqa: E402
+from needle_wgpu.server import Limits, ServerConfig  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CLIENTS, REQUESTS, MAX_TOKENS = 16, 48, 12
+
+
+def request(i: int) -> dict:
+    sampled = i % 2 == 1
+    return {"model": "tiny", "messages": [{"role": "user", "content": f"Tell me about the number {i}."}],
+            "max_tokens": MAX_TOKENS, "temperature": 0.8 if sampled else 0.0, "seed": 1000 + i}
+
+
+def test_concurrent_streams_get_their_own_answers_or_a_typed_error(tiny_gguf):
+    config = ServerConfig(models=models(tiny_gguf, context=128)[:1], limits=Limits(max_queue=12))
+    with live_server(config) as (url, _):
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            alone = [client.chat.completions.create(**request(i)).choices[0] for i in range(REQUESTS)]
+
+        async def load():
+            outcomes = [None] * REQUESTS
+            todo = asyncio.Queue()
+            for i in range(REQUESTS):
+                todo.put_nowait(i)
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+                async def client_loop():
+                    while not todo.empty():
+                        i = todo.get_nowait()
+                        try:
+                            stream = await c.chat.completions.create(**request(i), stream=True)
+                            text, finish = "", None
+                            async for chunk in stream:
+                                if chunk.choices:
+                                    text += chunk.choices[0].delta.content or ""
+                                    finish = chunk.choices[0].finish_reason or finish
+                            outcomes[i] = ("answer", text, finish)
+                        except openai.RateLimitError as exc:
+                            retry_after = exc.response.headers.get("retry-after")
+                            outcomes[i] = ("refused", exc.status_code, exc.body["code"], retry_after)
+                            await asyncio.sleep(min(float(retry_after), 1.0))  # as a polite client does
+
+                await asyncio.gather(*[client_loop() for _ in range(CLIENTS)])
+            return outcomes
+
+        outcomes = asyncio.run(asyncio.wait_for(load(), 300))
+        health, metrics = httpx.get(url + "/health").json(), httpx.get(url + "/metrics").text
+    answered = [i for i, o in enumerate(outcomes) if o and o[0] == "answer"]
+    refused = [i for i, o in enumerate(outcomes) if o and o[0] == "refused"]
+    assert len(answered) + len(refused) == REQUESTS  # nothing lost
+    assert len(answered) >= CLIENTS // 2 and refused  # both outcomes happen: 16 clients, room for 13
+    print(f"{len(answered)} answered, {len(refused)} refused")
+    for i in answered:
+        assert outcomes[i][1:] == (alone[i].message.content, alone[i].finish_reason), i
+    for i in refused:
+        status, code, retry_after = outcomes[i][1:]
+        assert status == 429 and code == "queue_full" and int(retry_after) >= 1
+    assert health["models"]["tiny"] == {"queue_depth": 0, "active_sequences": 0, "kv_bytes_in_use": 0}
+    assert _count(metrics, 'outcome="ok"') == REQUESTS + len(answered)
+    assert _count(metrics, 'outcome="queue_full"') == 0  # refused before a job existed: only the HTTP count
+    assert _count(metrics, 'path="/v1/chat/completions",status="429"') == len(refused)
+
+
+def _count(metrics: str, labels: str) -> int:
+    return sum(int(v) for v in re.findall(r"\{[^}]*" + re.escape(labels) + r"[^}]*\} (\d+)", metrics))
