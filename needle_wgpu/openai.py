@@ -141,8 +141,14 @@ def _same(value, default) -> bool:
 
 
 def chat_completion(model, messages, tools=None, *, tool_choice="auto", response_format=None, stream=False,
-                    context=None, kv=None, **options):
-    """A ``chat.completion`` dict, or with ``stream`` an iterator of chunk dicts."""
+                    context=None, kv=None, conversation=None, **options):
+    """A ``chat.completion`` dict, or with ``stream`` an iterator of chunk dicts.
+
+    ``conversation``: a ``Conversation`` of ``model`` to answer on instead of a new one (its
+    history is replaced by ``messages``, its ``context`` and ``kv`` are its own): the KV cache it
+    holds is reused for the prefix the new rendering shares with it (prefix caching; the ids are
+    those of a fresh conversation), and it is left open for the next request. ``usage`` says how
+    many prompt tokens came from the cache (``prompt_tokens_details.cached_tokens``)."""
     messages, tools = check_messages(messages), check_tools(tools)
     if not messages or messages[-1]["role"] == "assistant":
         raise InputError("messages must end with a user or tool message")
@@ -155,27 +161,36 @@ def chat_completion(model, messages, tools=None, *, tool_choice="auto", response
         if stop_strings(options.get("stop", ())):  # a stop string could cut the document
             options["stop"] = ()
             notices.append("stop strings are not applied under a response format or required tool calls")
-    conversation = Conversation(model, tools=shape.render_tools, context=context, kv=kv)
+    owned = conversation is None
+    if owned:
+        conversation = Conversation(model, tools=shape.render_tools, context=context, kv=kv)
+    else:
+        if not isinstance(conversation, Conversation) or conversation.model is not model:
+            raise InputError("conversation must be a Conversation of this model (model.conversation())")
+        conversation.reset()
+        conversation.turns.clear()
+        conversation.tools = shape.render_tools
     conversation.bare_json_calls = shape.bare_json_calls
     conversation.add(messages)
     header = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()), "model": model_name(model)}
     turn = conversation.stream(None, constraint=constraint, **options)
     if flag(stream, "stream"):
-        return _chunks(conversation, turn, header, notices)
+        return _chunks(conversation, turn, header, notices, owned)
     try:
         for _ in turn:
             pass
         reply, stats = conversation.messages[-1], conversation.turns[-1]
         stats.notices += notices
     finally:
-        conversation.close()
+        if owned:
+            conversation.close()
     return {**header, "object": "chat.completion",
             "choices": [{"index": 0, "message": _message(reply), "finish_reason": _finish(stats),
                          "logprobs": openai_logprobs(model, turn_logprobs(stats, reply))}],
             "usage": _usage(stats), "stats": stats.as_dict()}
 
 
-def _chunks(conversation, turn, header, notices):
+def _chunks(conversation, turn, header, notices, owned=True):
     """The streamed form: role, content deltas, tool calls, finish reason, then usage."""
     model = conversation.model
 
@@ -202,7 +217,8 @@ def _chunks(conversation, turn, header, notices):
         yield chunk(usage=_usage(stats), stats=stats.as_dict())
     finally:
         turn.close()
-        conversation.close()
+        if owned:
+            conversation.close()
 
 
 class ContentStream:
@@ -246,7 +262,8 @@ def _finish(stats) -> str:
 
 def _usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.reused}}
 
 
 def model_name(model) -> str:

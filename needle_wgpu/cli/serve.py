@@ -30,6 +30,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="on SIGTERM, seconds running requests get to finish")
+    serve.add_argument("--prefix-cache-bytes", type=int, default=512 << 20,
+                       help="per model, KV caches of recent chats kept so a request sharing their prefix prefills "
+                            "only the rest (default 512 MiB; 0: none)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=cmd_serve)
 
@@ -52,7 +55,7 @@ def cmd_serve(args) -> int:
         if not os.path.isfile(spec.source):
             raise NeedleError(f"{spec.source}: no such file")
     limits = Limits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, time_limit_s=args.time_limit,
-                    shutdown_grace_s=args.shutdown_grace)
+                    shutdown_grace_s=args.shutdown_grace, prefix_cache_bytes=args.prefix_cache_bytes)
     config = ServerConfig(models=tuple(specs), api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                           cors=tuple(args.cors), limits=limits)
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:

@@ -18,6 +18,7 @@ class Limits:
     max_queue: int = 32  # requests waiting per model beyond the one running; more is a 429
     time_limit_s: float = 300.0  # from arrival to the last token; past it a 504 (or an error chunk)
     shutdown_grace_s: float = 10.0  # SIGTERM: running requests get this long to finish
+    prefix_cache_bytes: int = 512 << 20  # per model: KV caches of recent chats kept for their prefixes (0: none)
 
 
 @dataclass(frozen=True)

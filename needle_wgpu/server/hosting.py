@@ -18,7 +18,8 @@ class ModelHost:
         if len(self.specs) != len(config.models):
             raise ValueError("two served models have the same name")
         self.schedulers = {spec.name: Scheduler(spec.name, _loader(spec), max_queue=config.limits.max_queue,
-                                                metrics=metrics, probe_kv=_kv_probe(spec))
+                                                metrics=metrics, probe_kv=_kv_probe(spec),
+                                                prefix_cache_bytes=config.limits.prefix_cache_bytes)
                            for spec in config.models}
         self.names = {}  # every name a request may use -> the served name
         for spec in config.models:

@@ -38,7 +38,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.http = {}  # (path, status) -> count
         self.requests = {}  # (model, endpoint, outcome) -> count
-        self.prompt_tokens, self.completion_tokens = {}, {}  # model -> count
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = {}, {}, {}  # model -> count
         self.ttft, self.per_token = {}, {}  # model -> Histogram
 
     def http_request(self, path: str, status: int) -> None:
@@ -47,13 +47,14 @@ class Metrics:
             self.http[key] = self.http.get(key, 0) + 1
 
     def finished(self, model: str, endpoint: str, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
-                 ttft_s: float | None = None, per_token_s: float | None = None) -> None:
+                 ttft_s: float | None = None, per_token_s: float | None = None, cached_tokens: int = 0) -> None:
         """One request of a model ended (``outcome``: "ok" or the error code)."""
         with self.lock:
             key = (model, endpoint, outcome)
             self.requests[key] = self.requests.get(key, 0) + 1
             self.prompt_tokens[model] = self.prompt_tokens.get(model, 0) + prompt_tokens
             self.completion_tokens[model] = self.completion_tokens.get(model, 0) + completion_tokens
+            self.cached_tokens[model] = self.cached_tokens.get(model, 0) + cached_tokens
             if ttft_s is not None:
                 self.ttft.setdefault(model, Histogram(TTFT_BUCKETS)).observe(ttft_s)
             if per_token_s is not None:
@@ -84,6 +85,9 @@ class Metrics:
             family("completion_tokens_total", "counter", "Generated tokens of finished requests")
             for model, n in sorted(self.completion_tokens.items()):
                 sample("completion_tokens_total", {"model": model}, n)
+            family("prompt_tokens_cached_total", "counter", "Prompt tokens taken from the prefix cache, not prefilled")
+            for model, n in sorted(self.cached_tokens.items()):
+                sample("prompt_tokens_cached_total", {"model": model}, n)
             for name, histograms, help_text in (
                     ("time_to_first_token_seconds", self.ttft, "Arrival to the first generated token"),
                     ("time_per_output_token_seconds", self.per_token,
@@ -98,7 +102,8 @@ class Metrics:
         gauges = {name: s.gauges() for name, s in sorted(schedulers.items())}
         for key, help_text in (("queue_depth", "Requests waiting for a model's worker"),
                                ("active_sequences", "Sequences a model's worker is running"),
-                               ("kv_bytes_in_use", "KV cache bytes held by the running sequences")):
+                               ("kv_bytes_in_use", "KV cache bytes held by the running sequences"),
+                               ("prefix_cache_bytes", "KV cache bytes the prefix cache holds for later requests")):
             family(key, "gauge", help_text)
             for model, values in gauges.items():
                 sample(key, {"model": model}, values[key])

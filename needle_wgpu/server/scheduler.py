@@ -24,6 +24,7 @@ from typing import Callable
 
 from ..errors import DeviceLostError
 from .errors import ApiError, cancelled, error_of, queue_full, shutting_down, timed_out
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger("needle_wgpu.server")
 
@@ -45,6 +46,7 @@ class Job:
     stop_reason: str | None = None
     usage: dict = field(default_factory=dict)  # what the body reports for the metrics
     events: object = None  # the running body (a generator), while admitted
+    prefix_cache: object = None  # the model's ``PrefixCache``, handed to the body when admitted
     finished: bool = False
 
     @property
@@ -116,9 +118,11 @@ class Scheduler:
     """A model's queue and worker thread. ``load()`` (called on the worker) returns the
     ``api.Model``; ``kv_bytes`` is then one sequence's KV cache in bytes (for the metrics)."""
 
-    def __init__(self, name: str, load: Callable, *, max_queue: int, metrics=None, probe_kv: Callable = None):
+    def __init__(self, name: str, load: Callable, *, max_queue: int, metrics=None, probe_kv: Callable = None,
+                 prefix_cache_bytes: int = 0):
         self.name, self.load, self.max_queue, self.metrics = name, load, max_queue, metrics
         self.probe_kv = probe_kv
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)  # the worker thread's alone
         self.model = None
         self.load_error: BaseException | None = None
         self.kv_bytes = 0
@@ -161,7 +165,7 @@ class Scheduler:
         with self.cond:
             active = len(self.stepper.active)
             return {"queue_depth": len(self.queue), "active_sequences": active,
-                    "kv_bytes_in_use": active * self.kv_bytes}
+                    "kv_bytes_in_use": active * self.kv_bytes, "prefix_cache_bytes": self.prefix_cache.cached_bytes()}
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new jobs, end the queued ones (503), and give the running ones ``grace_s``
@@ -197,6 +201,7 @@ class Scheduler:
             self.model = self.load()
             if self.probe_kv is not None:
                 self.kv_bytes = self.probe_kv(self.model)
+                self.prefix_cache.entry_bytes = self.kv_bytes
         except BaseException as exc:  # noqa: BLE001  reported by the server's start-up
             self.load_error = exc
             self.ready.set()
@@ -221,6 +226,7 @@ class Scheduler:
                     self._finish(job, error_of(DeviceLostError("the GPU device was lost and the model could not be "
                                                                "loaded again")))
                 else:
+                    job.prefix_cache = self.prefix_cache
                     self.stepper.admit(job, self.model)
             for job in stale:
                 self.stepper.leave(job, job.stopped_error())
@@ -229,6 +235,7 @@ class Scheduler:
     def _reload(self) -> None:
         """After a lost device, the model again on a new one (the next request's first step)."""
         log.warning("model %s: the device was lost, loading the model again", self.name)
+        self.prefix_cache.clear()  # its sessions were on the lost device
         try:
             self.model = self.load()
             self.stepper.device_lost = False
@@ -248,5 +255,5 @@ class Scheduler:
             usage = job.usage
             self.metrics.finished(self.name, job.endpoint, "ok" if error is None else (error.code or str(error.status)),
                                   usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                                  usage.get("ttft_s"), usage.get("per_token_s"))
+                                  usage.get("ttft_s"), usage.get("per_token_s"), usage.get("cached_tokens", 0))
 

@@ -32,7 +32,17 @@ def chat_body(request: dict, *, served: str, stream: bool, include_usage: bool, 
     the sampling options)."""
 
     def body(model, job):
-        options = dict(request, context=context, kv=kv, should_stop=job.should_stop)
+        cache = job.prefix_cache
+        conversation = None if cache is None else \
+            cache.take(model, request.get("messages"), request.get("tools"), context=context, kv=kv)
+        options = dict(request, context=context, kv=kv, should_stop=job.should_stop, conversation=conversation)
+        try:
+            yield from _chat(model, job, options)
+        finally:
+            if conversation is not None:
+                cache.give(conversation, context=context, kv=kv)
+
+    def _chat(model, job, options):
         if not stream:
             response = chat_completion(model, stream=False, **options)
             response["model"] = served
@@ -137,6 +147,7 @@ def _report(job, usage: dict, stats: dict) -> None:
     queued = (job.started or job.submitted) - job.submitted
     rate = stats.get("decode_tokens_per_s") or 0.0
     job.usage = {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0),
+                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                  "ttft_s": queued + stats.get("prefill_s", 0.0) if usage.get("completion_tokens") else None,
                  "per_token_s": 1.0 / rate if rate > 0 else None}
 

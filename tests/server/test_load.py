@@ -68,7 +68,10 @@ def test_concurrent_streams_get_their_own_answers_or_a_typed_error(tiny_gguf):
     for i in refused:
         status, code, retry_after = outcomes[i][1:]
         assert status == 429 and code == "queue_full" and int(retry_after) >= 1
-    assert health["models"]["tiny"] == {"queue_depth": 0, "active_sequences": 0, "kv_bytes_in_use": 0}
+    gauges = health["models"]["tiny"]
+    assert {k: gauges[k] for k in ("queue_depth", "active_sequences", "kv_bytes_in_use")} == \
+        {"queue_depth": 0, "active_sequences": 0, "kv_bytes_in_use": 0}
+    assert 0 < gauges["prefix_cache_bytes"] <= Limits().prefix_cache_bytes  # kept for later prefixes, bounded
     assert _count(metrics, 'outcome="ok"') == REQUESTS + len(answered)
     assert _count(metrics, 'outcome="queue_full"') == 0  # refused before a job existed: only the HTTP count
     assert _count(metrics, 'path="/v1/chat/completions",status="429"') == len(refused)

@@ -168,3 +168,20 @@ def test_the_async_client_streams_and_answers_concurrently(served):
 
     results = asyncio.run(asyncio.wait_for(run(), 120))
     assert results[:3] == results[3:] and all(results)
+
+
+def test_a_shared_prefix_comes_from_the_cache_and_changes_nothing(client, local):
+    """Two chats that share their system turn: the second prefills only what follows it (the
+    prefix cache keeps the first's KV), reports the cached tokens as OpenAI does, and answers
+    exactly as a fresh conversation does."""
+    system = {"role": "system", "content": "You answer in one short sentence about geography and nothing else."}
+    first = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
+                                           messages=[system, {"role": "user", "content": "Capital of Peru?"}])
+    second = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
+                                            messages=[system, {"role": "user", "content": "Capital of Chile?"}])
+    want = local.chat([system, {"role": "user", "content": "Capital of Chile?"}], max_tokens=4, temperature=0,
+                      context=512)
+    assert second.choices[0].message.content == want["choices"][0]["message"]["content"]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 10 < cached < second.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and first.usage.prompt_tokens > cached
