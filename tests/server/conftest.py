@@ -26,6 +26,29 @@ START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 
 
+def run_async(coroutine, timeout_s: float):
+    """``asyncio.run(coroutine)`` bounded by ``timeout_s``, on a thread of its own: the session's
+    Playwright page (tests/browser) keeps an event loop running on the main thread, where
+    ``asyncio.run`` refuses to start another."""
+    import asyncio
+
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = asyncio.run(asyncio.wait_for(coroutine, timeout_s))
+        except BaseException as exc:  # noqa: BLE001  raised again on the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="test event loop", daemon=True)
+    thread.start()
+    thread.join(timeout_s + STOP_TIMEOUT_S)
+    assert not thread.is_alive(), "the event loop did not finish"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from .conftest import live_server, models  # noqa: E402
+from .conftest import live_server, models, run_async  # noqa: E402
 from needle_wgpu.server import Limits, ServerConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,7 @@ def test_concurrent_streams_get_their_own_answers_or_a_typed_error(tiny_gguf):
                 await asyncio.gather(*[client_loop() for _ in range(CLIENTS)])
             return outcomes
 
-        outcomes = asyncio.run(asyncio.wait_for(load(), 300))
+        outcomes = run_async(load(), 300)
         health, metrics = httpx.get(url + "/health").json(), httpx.get(url + "/metrics").text
     answered = [i for i, o in enumerate(outcomes) if o and o[0] == "answer"]
     refused = [i for i, o in enumerate(outcomes) if o and o[0] == "refused"]

@@ -11,7 +11,7 @@ openai = pytest.importorskip("openai")
 
 import needle_wgpu  # noqa: E402
 
-from .conftest import NEEDLE_WITH_HEADS  # noqa: E402
+from .conftest import NEEDLE_WITH_HEADS, run_async  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -166,7 +166,7 @@ def test_the_async_client_streams_and_answers_concurrently(served):
 
             return await asyncio.gather(*[streamed(i) for i in range(3)], *[whole(i) for i in range(3)])
 
-    results = asyncio.run(asyncio.wait_for(run(), 120))
+    results = run_async(run(), 120)
     assert results[:3] == results[3:] and all(results)
 
 
