@@ -17,6 +17,7 @@ const ui = {
   chatLog: $("chat-log"), chatInput: $("chat-input"), chatReset: $("chat-reset"), chatSystem: $("chat-system"),
   chatStats: $("chat-stats"), constrained: $("constrained"), confidence: $("confidence"),
   advanced: $("advanced-sampling"), logitBias: $("logit-bias"), logitBiasError: $("logit-bias-error"),
+  logitBiasNote: $("logit-bias-note"),
 };
 
 let worker = null;
@@ -30,6 +31,7 @@ let phase = "booting";
 let stopping = false;
 let queuedLoad = null;
 let droppedFile = null;
+let pickedFile = null;   // the picker's last file (its input is cleared so the same file can be picked again)
 let manifest = null;
 let chatHistory = [];    // [{role, content}] of the conversation shown in the chat log
 let chatId = 1;          // the worker keeps one conversation (and its KV cache) per chat id
@@ -93,6 +95,7 @@ function onWorkerMessage(msg) {
     showError("The Python runtime crashed; the engine is restarting (the model will be loaded again).");
     restart();
   } else if (msg.type === "token") {
+    if (streamTarget) delete streamTarget.dataset.progress;
     (streamTarget || ui.output).append(document.createTextNode(msg.text));
     needle.streamedTokens = msg.count;
     if (!stopping) ui.runState.textContent = "Generating…";
@@ -144,15 +147,20 @@ function errorText() {
 $("banner-close").addEventListener("click", clearError);
 
 function showProgress(msg) {
-  const entry = { stage: msg.stage, text: msg.text, done: msg.done, total: msg.total, phase, shown: "" };
+  const entry = { stage: msg.stage, text: msg.text, done: msg.done, total: msg.total, phase, shown: "",
+                  at: performance.now() };
   needle.progressLog.push(entry);
   if (needle.onProgress) needle.onProgress(msg);
   if (phase === "idle") return;  // a test hook's request (logits, bench): nothing of the page's is running
   if (msg.stage === "prefill" || (phase === "generating" && msg.stage === "compile")) {
     // Progress of a request shows next to the request, not in the model card.
-    let text = msg.stage === "compile" ? "Compiling GPU pipelines for this request…" : `${msg.text}…`;
-    if (msg.stage === "prefill" && !needle.generations) text += " (the first request also compiles GPU pipelines)";
+    const text = msg.stage === "compile" ? "Compiling GPU pipelines for this request…" : `${msg.text}…`;
     if (!stopping) ui.runState.textContent = text;
+    // In a chat the pending reply's bubble says it too: on a phone it is what is on screen.
+    if (streamTarget && streamTarget !== ui.output && !streamTarget.textContent) {
+      streamTarget.dataset.progress = stopping ? "Stopping…" : text;
+      streamTarget.scrollIntoView({ block: "nearest" });
+    }
     entry.shown = ui.runState.textContent;
     return;
   }
@@ -290,6 +298,11 @@ async function loadModel(spec) {
     const entry = spec.source === "default" ? bundledEntry(spec.file) : null;
     m.synthetic = Boolean(entry && entry.synthetic);
     needle.model = m;
+    ui.output.replaceChildren();  // the previous model's output and stats are not this one's
+    delete ui.output.dataset.cut;
+    ui.stats.textContent = "";
+    ui.callsBlock.hidden = true;
+    ui.requestNotice.hidden = true;
     showModelNote(m);
     chooseModes(m);
     if (m.cachedNow) refreshCache();
@@ -304,7 +317,8 @@ async function loadModel(spec) {
 
 function describeTemplate(t) {
   if (!t) return "";
-  return t.kind === "jinja" ? " · chat template: the file's own" : ` · chat template: built-in ChatML (${t.note})`;
+  return t.kind === "jinja" ? " · chat template: the file's own (if it fails on a conversation, the turn says so " +
+    "and uses built-in ChatML)" : ` · chat template: built-in ChatML (${t.note})`;
 }
 
 async function runQueued() {
@@ -337,7 +351,7 @@ function chooseModes(m) {
 function loadFromControls() {
   const source = selectedSource();
   if (source === "file") {
-    const file = droppedFile || ui.fileInput.files[0];
+    const file = droppedFile || pickedFile;
     if (!file) return showError("Choose a .gguf or .cact file first.", "model");
     return loadModel({ source: "file", file });
   }
@@ -363,7 +377,11 @@ function pickSource(value) {
 
 ui.fileInput.addEventListener("change", () => {
   droppedFile = null;
-  if (ui.fileInput.files[0]) loadModel({ source: "file", file: ui.fileInput.files[0] });
+  const file = ui.fileInput.files[0];
+  if (!file) return;
+  pickedFile = file;
+  loadModel({ source: "file", file });
+  ui.fileInput.value = "";  // picking the same file again is a change too (a reload)
 });
 
 const modelCard = $("model-card");
@@ -413,7 +431,10 @@ ui.cacheClear.addEventListener("click", async () => {
 // ---------------------------------------------------------------------------- generation
 function selectMode(value) {
   mode = value;
-  for (const t of document.querySelectorAll('[role="tab"]')) t.setAttribute("aria-selected", String(t.dataset.mode === mode));
+  for (const t of document.querySelectorAll('[role="tab"]')) {
+    t.setAttribute("aria-selected", String(t.dataset.mode === mode));
+    t.tabIndex = t.dataset.mode === mode ? 0 : -1;
+  }
   for (const panel of document.querySelectorAll(".mode-panel")) panel.hidden = panel.dataset.mode !== mode;
   ui.output.hidden = mode === "chat";
   updateButtons();
@@ -421,6 +442,17 @@ function selectMode(value) {
 
 for (const tab of document.querySelectorAll('[role="tab"]')) {
   tab.addEventListener("click", () => selectMode(tab.dataset.mode));
+  // The tab list as ARIA describes it: arrows (and Home/End) move between the visible tabs.
+  tab.addEventListener("keydown", (event) => {
+    const tabs = [...document.querySelectorAll('[role="tab"]')].filter((t) => !t.hidden);
+    const at = tabs.indexOf(tab);
+    const to = { ArrowRight: at + 1, ArrowLeft: at - 1, Home: 0, End: tabs.length - 1 }[event.key];
+    if (to === undefined) return;
+    event.preventDefault();
+    const next = tabs[(to + tabs.length) % tabs.length];
+    selectMode(next.dataset.mode);
+    next.focus();
+  });
 }
 
 // The logit-bias field as the engine takes it: empty -> null (no bias), a JSON object -> that
@@ -482,6 +514,13 @@ function formatStats(r) {
   const biased = Object.keys(s.logit_bias || {}).length;
   if (biased) extras.push(`${biased} biased token${biased === 1 ? "" : "s"}`);
   if (extras.length) parts.push(extras.join(" "));
+  if (r.host) {
+    // What each token cost the host (encode+submit, and reading back: CPU, then wall), and the
+    // adapter: on a software one the GPU's own time dominates, on a real GPU the host's may.
+    const h = r.host;
+    parts.push(`host per token: encode ${h.encodeMs.toFixed(2)} ms, readback ${h.readbackCpuMs.toFixed(2)} ms CPU / ` +
+               `${h.readbackWallMs.toFixed(1)} ms wall, ${h.dispatches} dispatches · ${h.adapterKind} adapter`);
+  }
   return parts.join(" · ");
 }
 
@@ -501,6 +540,7 @@ function formatTurn(r) {
     `reused ${t.reused} from the cache · context ${r.contextUsed} / ${r.context}`;
   if (t.rewound) text += " · the history changed: re-read from where it differs";
   if (t.droppedMessages) text += ` · ${t.droppedMessages} oldest messages dropped`;
+  if (t.template !== "jinja" && t.templateNote) text += ` · ${t.templateNote}`;
   return text;
 }
 
@@ -543,16 +583,24 @@ async function generate() {
     streamTarget = chatBubble("assistant", "");
   } else {
     ui.output.replaceChildren();
+    delete ui.output.dataset.cut;
     streamTarget = ui.output;
   }
   needle.streamedTokens = 0;
   ui.stats.textContent = "";
   ui.runState.textContent = "Reading the prompt…";
+  if (streamTarget !== ui.output) streamTarget.dataset.progress = "Reading the prompt…";
+  // Screen readers hear the reply once it is complete, not every token; focus moves to Stop
+  // (the Send button it was on is disabled meanwhile) and comes back to the message afterwards.
+  for (const region of [ui.output, ui.chatLog]) region.setAttribute("aria-busy", "true");
+  ui.stop.focus();
   ui.callsBlock.hidden = true;
   ui.confidence.textContent = "";
   const reply = await request("generate", { request: payload });
   const bubble = streamTarget;
   streamTarget = null;
+  if (bubble) delete bubble.dataset.progress;
+  for (const region of [ui.output, ui.chatLog]) region.removeAttribute("aria-busy");
   phase = "idle";
   stopping = false;
   ui.runState.textContent = "";
@@ -562,7 +610,8 @@ async function generate() {
     const r = reply.result;
     if (mode === "chat") {
       bubble.textContent = r.text;
-      if (r.tokens) {
+      if (r.finishReason === "length") bubble.dataset.cut = "true";  // a reply cut off by the budget
+      if (r.tokens && !r.takenBack) {
         chatHistory.push({ role: "user", content: payload.messages.at(-1).content },
                          { role: "assistant", content: r.text });
         ui.chatInput.value = "";
@@ -573,6 +622,7 @@ async function generate() {
       ui.chatStats.textContent = formatTurn(r);
     } else {
       ui.output.textContent = r.text;
+      if (r.finishReason === "length" && r.tokens) ui.output.dataset.cut = "true";
     }
     ui.stats.textContent = formatStats(r);
     if (r.notice) {
@@ -581,6 +631,7 @@ async function generate() {
       ui.requestNotice.scrollIntoView({ block: "nearest" });
     }
     if (r.completion) showCompletion(r.completion, r.confidence);
+    showIgnoredBias(r.settings.logit_bias_ignored || []);
     setStatus("ready", "Ready");
   } else {
     if (userBubble) {
@@ -592,8 +643,22 @@ async function generate() {
     setStatus("ready", reply.error.kind === "DeviceLostError" ? "GPU lost · will recover" : "Ready");
   }
   updateButtons();
+  if (!busy()) focusInput();
   await runQueued();
   return reply;
+}
+
+function focusInput() {
+  const input = { chat: ui.chatInput, tools: $("query-input"), prompt: $("prompt-input") }[mode];
+  if (input && !input.closest("[hidden]")) input.focus();
+}
+
+// Logit-bias entries the engine could not apply, listed by the field (not dropped silently).
+function showIgnoredBias(ignored) {
+  ui.logitBiasNote.hidden = !ignored.length;
+  ui.logitBiasNote.textContent = ignored.length ?
+    `Not applied: ${ignored.join("; ")}.` : "";
+  if (ignored.length) ui.advanced.open = true;
 }
 
 function showCompletion(c, confidence) {
@@ -614,10 +679,26 @@ ui.form.addEventListener("submit", (event) => {
   event.preventDefault();
   generate();
 });
+// Enter sends a chat message (Shift+Enter is a new line; not while an IME composes); Escape
+// stops a generation from anywhere on the page; Enter in the URL field loads it.
+ui.chatInput.addEventListener("keydown", (event) => {
+  if (event.key !== "Enter" || event.shiftKey || event.isComposing) return;
+  event.preventDefault();
+  generate();
+});
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && phase === "generating") ui.stop.click();
+});
+ui.url.addEventListener("keydown", (event) => {
+  if (event.key !== "Enter") return;
+  event.preventDefault();
+  if (!busy()) loadFromControls();
+});
 ui.stop.addEventListener("click", () => {
   if (phase !== "generating" || stopping) return;
   stopping = true;
   ui.runState.textContent = "Stopping…";
+  if (streamTarget && streamTarget !== ui.output && !streamTarget.textContent) streamTarget.dataset.progress = "Stopping…";
   setStatus("busy", "Stopping…");
   updateButtons();
   worker.postMessage({ type: "stop" });

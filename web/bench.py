@@ -2,9 +2,11 @@
 
     python build.py && python web/bench.py [--prompt 16] [--decode 8] [--model PATH]
 
-Prints one JSON object and writes it to test-artifacts/browser-bench.json. On a machine without
-a GPU, Chromium's WebGPU is SwiftShader (a CPU rasteriser): the numbers then say how the engine
-behaves (boot, compile, dispatches per step), not how fast a real GPU is.
+The generation part includes the host cost per token (encode+submit, readback CPU and wall, as
+``needle-wgpu bench`` reports it on the desktop) and the adapter kind. Prints one JSON object
+and writes it to test-artifacts/browser-bench.json. On a machine without a GPU, Chromium's
+WebGPU is SwiftShader (a CPU rasteriser): the numbers then say how the engine behaves (boot,
+compile, dispatches per step), not how fast a real GPU is.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
 from needle_wgpu.families import FAMILIES
 from needle_wgpu.gpu.browser import create_browser_device
 from needle_wgpu.grammar import GrammarError
-from needle_wgpu.sampling import Sampling, clamp_budget
+from needle_wgpu.models.dense import PREFILL_CHUNK
+from needle_wgpu.sampling import Sampling, bias_token, clamp_budget
 
 MAX_PROMPT_CHARS = 200_000  # far beyond any context; keeps a pasted novel from stalling the tokenizer
 
@@ -38,6 +39,7 @@ class State:
     summary = None
     loss_reported = False  # a lost device is reported once, then replaced on the next request
     conversation = None  # the page's chat: one Model.conversation(), its KV cache kept across turns
+    sizer = None         # ChunkSizer of the loaded model on this device
     chat_id = None       # the page's chat it belongs to (a new chat on the page, a new conversation)
 
 
@@ -120,7 +122,9 @@ def _sniff(data: bytes, name: str):
     what = next((kind for magic, kind in NOT_A_MODEL if text.startswith(magic)), None)
     if what is None and len(data) >= 10 and data[8:10] == b'{"':
         what = "a safetensors file (convert it to GGUF first)"
-    what = what or f"not a model file (it starts with the bytes {head[:4].hex(' ')})"
+    if what is None:
+        raise InputError(f"{name}: this is not a model file (it starts with the bytes {head[:4].hex(' ')}); "
+                         "the page loads GGUF (.gguf) and Needle 3 (.cact) files")
     raise InputError(f"{name}: this is {what}, not a model: the page loads GGUF (.gguf) and Needle 3 "
                      f"(.cact) files")
 
@@ -163,6 +167,7 @@ def _upload(data: bytes, name: str) -> dict:
     compiled = time.perf_counter()
     g = model.geometry
     State.model, State.model_bytes, State.model_name = model, data, name
+    State.sizer = ChunkSizer(device.software_rasterizer)
     State.summary = {
         "name": name, "bytes": len(data), "layers": g.num_layers, "dModel": g.d_model, "vocab": g.vocab,
         "context": session_context(model), "maxContext": g.max_seq_len, "tokenizer": model.tokenizer is not None,
@@ -293,31 +298,126 @@ def stop_requested() -> bool:
     return bool(getattr(js, "needleStopRequested", False))
 
 
+# A prefill chunk's target time: Stop is read between chunks, so it takes effect within about
+# this long. On a software adapter a one-position step may itself take longer: a chunk may then
+# take up to twice that step (below it, shorter chunks only cost throughput).
+CHUNK_SECONDS = 0.4
+FIRST_SOFTWARE_CHUNK = 8  # before anything was measured on a software adapter
+
+
+class ChunkSizer:
+    """The prefill chunk for the adapter at hand, from the chunk times measured so far (one per
+    model): the time of a chunk of T positions is fitted as a + b·T over the fastest time seen
+    for each T, and the chunk is the largest power of two whose predicted time stays within
+    ``max(CHUNK_SECONDS, 2a)``."""
+
+    def __init__(self, software: bool):
+        self.software = software
+        self.fastest = {}  # positions -> the fastest seconds a chunk of that length took
+
+    def record(self, positions: int, seconds: float) -> None:
+        if positions > 0 and seconds > 0:
+            self.fastest[positions] = min(self.fastest.get(positions, math.inf), seconds)
+
+    def fit(self) -> tuple:
+        points = sorted(self.fastest.items())
+        if not points:
+            return None
+        if len(points) == 1:
+            (t, s), = points
+            return 0.0, s / t
+        n = len(points)
+        mean_t = sum(t for t, _ in points) / n
+        mean_s = sum(s for _, s in points) / n
+        spread = sum((t - mean_t) ** 2 for t, _ in points)
+        slope = max(sum((t - mean_t) * (s - mean_s) for t, s in points) / spread, 1e-9)
+        return max(mean_s - slope * mean_t, 0.0), slope
+
+    def choose(self, limit: int) -> int:
+        fitted = self.fit()
+        if fitted is None:
+            return min(limit, FIRST_SOFTWARE_CHUNK) if self.software else limit
+        fixed, per_position = fitted
+        allowed = max(CHUNK_SECONDS, 2 * fixed)
+        size = 1
+        while size * 2 <= limit and fixed + per_position * size * 2 <= allowed:
+            size *= 2
+        return size
+
+
+class HostCost:
+    """What a request cost the host per token, from the device's counters (as
+    ``needle_wgpu.cli.bench.host_cost`` splits it): encoding and submitting the passes, and
+    reading back (the CPU time, mostly waiting for the GPU, and the wall time)."""
+
+    def __init__(self, device):
+        self.device, self.start = device, None
+
+    def mark(self) -> None:
+        """The first token came: what follows is the decode's cost."""
+        c = self.device.counters
+        self.start = (c.encode_cpu_s, c.read_cpu_s, c.read_wall_s, c.dispatches, c.submits)
+
+    def per_token(self, tokens: int):
+        """The decode's cost per token after the first (None without two tokens)."""
+        tokens -= 1
+        if tokens <= 0 or self.start is None:
+            return None
+        c = self.device.counters
+        encode, read_cpu, read_wall, dispatches, submits = (
+            (now - then) / tokens for now, then in zip((c.encode_cpu_s, c.read_cpu_s, c.read_wall_s, c.dispatches,
+                                                         c.submits), self.start))
+        return {"encodeMs": round(1000 * encode, 3), "readbackCpuMs": round(1000 * read_cpu, 3),
+                "readbackWallMs": round(1000 * read_wall, 3), "dispatches": round(dispatches, 1),
+                "submits": round(submits, 2),
+                "adapterKind": "software" if self.device.software_rasterizer else "hardware"}
+
+
 class StopCheck:
-    """``should_stop`` for the page (``Model.stream``, ``Conversation.stream``). Until the first
-    token it is called between prefill chunks: it waits for the chunk just submitted (so the
-    page's Stop message gets through and the progress is true), reports progress and reads the
+    """``should_stop`` for the page (``Model.stream``, ``Conversation.stream``). Before each
+    prefill chunk it waits until the GPU has finished the chunk before (``wait_idle``: at most
+    one chunk is ever in flight, the progress counts positions done, and the page's Stop
+    message is read meanwhile), times it, sizes the next chunk (``ChunkSizer``) and reads the
     Stop flag. Between decode steps the token's readback has already waited: it only reads the
     flag. ``sampled`` (optional) says whether the first token has come (a chat turn's stats)."""
 
     def __init__(self, device, sampled=None):
         self.device, self.sampled = device, sampled
         self.decoding = False  # set by generate() when the first token arrives
+        self.stop_seen_in_prefill = False
+        self.started, self.done = None, 0
+        self.chunks = 0
 
     def __call__(self, done: int, total: int) -> bool:
-        if not (self.decoding or (self.sampled is not None and self.sampled())):
-            if done:
-                self.device.check("prefill")
-                run_sync(js.needleYield())  # one macrotask turn: the worker reads the page's "stop"
-            progress("prefill", f"Reading the prompt ({done:,} of {total:,} tokens)", done, total)
-        return stop_requested()
+        if self.decoding or (self.sampled is not None and self.sampled()):
+            return stop_requested()
+        device = self.device
+        if done:
+            device.wait_idle("prefill")
+            if self.started is not None:
+                State.sizer.record(done - self.done, time.perf_counter() - self.started)
+            self.chunks += 1
+        run_sync(js.needleYield())  # one macrotask turn: the worker reads the page's "stop"
+        text = (f"Reading the prompt ({done:,} of {total:,} tokens)" if done else
+                f"Reading the prompt ({total:,} token{'s' if total != 1 else ''})")
+        progress("prefill", text, done, total)
+        if stop_requested():
+            self.stop_seen_in_prefill = True
+            return True
+        device.prefill_chunk = State.sizer.choose(PREFILL_CHUNK)
+        self.started, self.done = time.perf_counter(), done
+        return False
+
+    def finish(self) -> None:
+        """The request is over: later prefills (tests, the benchmark) use the family's chunk."""
+        self.device.prefill_chunk = None
 
 
 KNOBS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
          "presence_penalty", "frequency_penalty", "penalty_last_n", "logit_bias")
 
 
-def _settings(model: Model, request: dict, context: int) -> tuple:
+def _settings(model: Model, request: dict, context: int, prompt_tokens: int = 0) -> tuple:
     """The request's sampling knobs as given (the engine saturates them), and as the engine will
     use them. The page's fields arrive as text; a missing one is None (the engine's default,
     max_tokens's 0). logit_bias: a JSON object or nothing (the page checks its field; anything
@@ -329,12 +429,36 @@ def _settings(model: Model, request: dict, context: int) -> tuple:
     sampling = Sampling.saturate(**{k: v for k, v in knobs.items() if k != "max_tokens"},
                                  vocab=model.geometry.head_rows)
     effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context),
+                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context - prompt_tokens),
                  "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
                  "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
                  "penalty_last_n": sampling.penalty_last_n,
                  "logit_bias": {str(token): bias for token, bias in sampling.logit_bias}}
+    effective["logit_bias_ignored"] = _bias_ignored(bias, model.geometry.head_rows)
     return knobs, effective
+
+
+def _bias_ignored(bias, vocab: int) -> list:
+    """The logit-bias entries the engine drops, each with why (the page lists them by the field)."""
+    ignored = []
+    for key, value in (bias or {}).items():
+        token = bias_token(key)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if token is None:
+            why = "not a token id"
+        elif token >= vocab:
+            why = f"past the vocabulary ({vocab:,} ids)"
+        elif math.isnan(number):
+            why = "the bias is not a number"
+        elif number == 0:
+            why = "a bias of 0 changes nothing"
+        else:
+            continue
+        ignored.append(f"{str(key)[:40]}: {why}")
+    return ignored
 
 
 @entry
@@ -358,14 +482,21 @@ def generate(request_json: str) -> dict:
             raise InputError("the prompt is empty")
         inputs = {"prompt": prompt}
     context = session_context(model)
-    knobs, effective = _settings(model, request, context)
+    prompt_ids = model.encode_request(**{k: v for k, v in inputs.items() if k != "constrained"})
+    knobs, effective = _settings(model, request, context, len(prompt_ids))
+    # The KV cache holds what this request can use (prompt + budget), not the whole context;
+    # a prompt that leaves no room runs nothing, over a one-position session.
+    kv_positions = len(prompt_ids) + effective["max_tokens"] if len(prompt_ids) < context else 1
 
     result = GenerationResult("", [], "empty", 0)
     pieces, ids = [], []
     started = time.perf_counter()
     first = last = None
     should_stop = StopCheck(State.device)
-    stream = model.stream(**inputs, result=result, context=context, should_stop=should_stop, **knobs)
+    host = HostCost(State.device)
+    if mode == "prompt":
+        inputs = {"ids": prompt_ids}  # tokenised once (a long paste takes a while in Pyodide)
+    stream = model.stream(**inputs, result=result, context=max(1, kv_positions), should_stop=should_stop, **knobs)
     try:
         for event in stream:
             should_stop.decoding = True
@@ -374,12 +505,15 @@ def generate(request_json: str) -> dict:
                 last = time.perf_counter()
                 first = first or last
                 ids.append(event.id)
+                if len(ids) == 1:
+                    host.mark()
             emit(type="token", id=event.id, text=event.text, count=len(ids))
     except GrammarError as exc:  # raised before the first token: the tools' schemas
         raise GrammarError(f"{exc} (constrained decoding takes a JSON-schema subset: untick "
                            "'Constrain the answer' to run these tools unconstrained)") from None
     finally:
         stream.close()
+        should_stop.finish()
     stopped = result.finish_reason == "stopped"
     text = result.text if not stopped and result.text else "".join(pieces)
     decode_seconds = (last - first) if first is not None else 0.0
@@ -393,6 +527,7 @@ def generate(request_json: str) -> dict:
         "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 1),
         "clampedIds": result.clamped_ids, "settings": effective, "mode": mode, "notice": None,
         "confidence": finite(result.confidence), "constrained": bool(inputs.get("constrained")),
+        "host": host.per_token(len(ids)),
     }
     if result.prompt_tokens >= context:
         out["notice"] = (f"The prompt is {result.prompt_tokens:,} tokens but the context holds {context:,}: "
@@ -436,32 +571,49 @@ def chat_turn(model: Model, request: dict) -> dict:
         return conversation.turns[-1]
 
     should_stop = StopCheck(State.device, sampled=lambda: turn().completion_tokens > 0)
+    host = HostCost(State.device)
     stream = conversation.stream(messages[-1]["content"], should_stop=should_stop, **knobs)
+    # Stop pressed before the reply's first token showed (during the prompt's last chunk, so
+    # that token was sampled before the flag was read): the message is taken back, as a Stop
+    # during the prefill does; the page resends its own history next turn, so the cache rewinds.
+    taken_back = False
     try:
         for piece in stream:
-            first = first or time.perf_counter()
+            if not pieces and not taken_back and stop_requested():
+                taken_back = True
+            if taken_back:
+                continue
+            if first is None:
+                first = time.perf_counter()
+                host.mark()
             pieces.append(piece)
             emit(type="token", id=None, text=piece, count=turn().completion_tokens)
     finally:
         stream.close()
+        should_stop.finish()
     stats = turn()
+    template = conversation.model.chat_format.template
     kept = conversation.messages and conversation.messages[-1]["role"] == "assistant"
     text = conversation.messages[-1]["content"] if kept and stats.completion_tokens else "".join(pieces)
+    if taken_back:
+        text = ""
     out = {
-        "text": text, "tokens": stats.completion_tokens, "promptTokens": stats.prompt_tokens,
+        "text": text, "tokens": 0 if taken_back else stats.completion_tokens, "promptTokens": stats.prompt_tokens,
+        "takenBack": taken_back or (stats.finish_reason == "stopped" and not stats.completion_tokens),
         "context": stats.context or context, "contextUsed": stats.context_used,
         "finishReason": stats.finish_reason,
         "timeToFirstTokenSeconds": finite(first - started) if first is not None else None,
         "decodeTokensPerSecond": finite(stats.decode_tokens_per_s) if stats.decode_tokens_per_s else None,
         "prefillTokensPerSecond": finite(stats.prefilled / stats.prefill_s, 1) if stats.prefill_s > 0 else None,
-        "settings": effective, "mode": "chat", "notice": None,
+        "settings": effective, "mode": "chat", "notice": None, "host": host.per_token(stats.completion_tokens),
         "turn": {"number": len(conversation.turns), "prefilled": stats.prefilled, "reused": stats.reused,
                  "rewound": stats.rewound, "newSession": stats.new_session,
                  "droppedMessages": stats.dropped_messages, "notices": list(stats.notices),
-                 "template": conversation.model.chat_format.template.kind},
+                 "template": None if template is None else template.kind if template.last_note is None else "chatml",
+                 "templateNote": None if template is None else template.last_note or template.note},
     }
-    if stats.finish_reason == "stopped" and not stats.completion_tokens:
-        out["notice"] = "Stopped while reading the prompt: nothing was generated."
+    if out["takenBack"]:
+        out["notice"] = "Stopped while reading the prompt: nothing was generated, and the message was taken back."
     elif stats.finish_reason == "length" and not stats.completion_tokens and effective["max_tokens"] == 0:
         out["notice"] = "Max tokens is 0: nothing was generated."
     elif stats.notices:
@@ -558,7 +710,15 @@ def bench(prompt_tokens, decode_tokens) -> dict:
     started = time.perf_counter()
     result = model.generate(ids=ids, max_tokens=max(1, int(decode_tokens)))
     elapsed = time.perf_counter() - started
-    return {"promptTokens": prompt, "decodeTokens": len(result.ids), "seconds": round(elapsed, 3),
+    host = None
+    if decode_tokens and int(decode_tokens) >= 3:
+        # The host's cost per token through the generation loop, split as the desktop's
+        # ``needle-wgpu bench`` splits it (needle_wgpu.cli.bench.host_cost), one step a round.
+        from needle_wgpu.cli.bench import host_cost
+
+        host = host_cost(model, ids[: max(1, min(prompt, 16))], max(3, int(decode_tokens)), round_tokens=1)
+        host["adapterKind"] = "software" if device.software_rasterizer else "hardware"
+    return {"promptTokens": prompt, "decodeTokens": len(result.ids), "seconds": round(elapsed, 3), "hostCost": host,
             "timeToFirstTokenSeconds": finite(result.time_to_first_token_s),
             "prefillTokensPerSecond": finite(result.prefill_tokens_per_s, 2),
             "decodeTokensPerSecond": finite(result.decode_tokens_per_s, 2),

@@ -152,8 +152,8 @@ async function modelBytes(msg) {
       bytes = await fetchWithProgress(url.href, name);
     } catch (error) {
       if (error instanceof UserError) throw error;
-      throw new UserError(`${url.href}: download failed (${error.message}); the server must allow ` +
-        "cross-origin requests (CORS)");
+      throw new UserError(`${url.href}: download failed (${error.message}): the host could not be reached, ` +
+        "or its server does not allow cross-origin requests (CORS); the browser does not say which");
     }
     return { bytes, name, cacheKey: url.href, cached: false };
   }

@@ -296,11 +296,13 @@ class BrowserDevice(Device):
             raise _translate(exc, f"allocating {label} ({size} bytes)") from None
         return handle
 
-    def buffer(self, size: int, **options):
-        made = super().buffer(size, **options)
-        # When Python drops the Buffer, remember its handle weakly (the JS GC may still free it).
-        weakref.finalize(made, self._dropped.append, self._js.WeakRef.new(made.handle))
-        return made
+    def _track_drop(self, buffer):
+        # When Python drops the Buffer, remember its handle weakly: its GPU memory stays until
+        # release_dropped (or some later JS garbage collection), and counts as live until then.
+        return weakref.finalize(buffer, self._dropped.append, (self._js.WeakRef.new(buffer.handle), buffer.size))
+
+    def _destroy_buffer(self, handle):
+        handle.destroy()
 
     def release_dropped(self) -> int:
         """Destroy the GPU memory of buffers Python no longer references, now rather than at some
@@ -308,13 +310,19 @@ class BrowserDevice(Device):
         to them: call it after dropping a model and its sessions, before loading the next."""
         gc.collect()
         released = 0
-        for ref in self._dropped:
+        for ref, size in self._dropped:
+            self.counters.live_bytes -= size
             handle = ref.deref()
             if not _absent(handle):
                 handle.destroy()
                 released += 1
         self._dropped.clear()
         return released
+
+    def wait_idle(self, what: str = "GPU work") -> None:
+        """Wait for ``queue.onSubmittedWorkDone()`` (every submitted command has run) and the
+        error scopes, in one JSPI wait."""
+        self._sync(what, self._queue.onSubmittedWorkDone())
 
     def _write(self, handle, data, offset):
         self._guard("write")

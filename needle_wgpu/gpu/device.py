@@ -13,7 +13,10 @@ compute pass and a single submit.
 from __future__ import annotations
 
 import struct
+import threading
 import time
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import DeviceError, DeviceLimitError
@@ -76,13 +79,42 @@ class Limits:
     max_storage_buffers: int
 
 
-@dataclass
+@dataclass(eq=False)
 class Buffer:
-    """A GPU buffer: the back end's handle plus its size and a label for messages."""
+    """A GPU buffer: the back end's handle plus its size and a label for messages. ``kind``:
+    what it holds (``Counters.bytes_allocated``); "weights" and "shared" (device-wide scratch
+    that plans of any session bind) are never freed by a session's close."""
 
     handle: object
     size: int
     label: str
+    kind: str = "scratch"
+    freed: bool = False
+
+
+# Kinds a session never owns: the model's weights, and the device-wide buffers a kernel makes
+# once and every plan shares (the sampler's scratch, placeholders).
+UNOWNED_KINDS = frozenset({"weights", "shared"})
+
+_owners = threading.local()  # the stack of lists ``recording`` collects new buffers into
+
+
+@contextmanager
+def recording(owned: list):
+    """Collect every buffer this thread allocates meanwhile (except ``UNOWNED_KINDS``) into
+    ``owned``: what a session makes for itself, freed by its close. Nested recordings collect
+    into the innermost only."""
+    stack = _owners.__dict__.setdefault("stack", [])
+    stack.append(owned)
+    try:
+        yield owned
+    finally:
+        stack.pop()
+
+
+def _forget(counters, size: int) -> None:
+    """A Buffer Python dropped without ``free``: the back end releases it with the object."""
+    counters.live_bytes -= size
 
 
 @dataclass(frozen=True)
@@ -111,6 +143,7 @@ class Counters:
     bytes_read: int = 0
     bytes_written: int = 0
     bytes_allocated: dict = field(default_factory=dict)
+    live_bytes: int = 0  # allocated and not yet freed (``Device.free``) nor released
     # The calling thread's CPU time (``thread_clock``) spent encoding and submitting passes, and
     # reading back (mostly waiting for the GPU), and the readback's wall time: the host's cost
     # per token the benchmark splits out (GPU work on other threads does not count).
@@ -208,6 +241,10 @@ class Device:
 
     limits: Limits
     adapter_name: str = "unknown"
+    # The longest prefill chunk a session runs (None: the family's own, ``ChunkedSession.chunk``).
+    # A page lowers it on a slow adapter, so that a chunk ends, and a Stop is read, within a
+    # fraction of a second.
+    prefill_chunk: int | None = None
     # True on CPU adapters (lavapipe, SwiftShader): kernels with a barrier-free variant use it.
     software_rasterizer: bool = False
     max_workgroups_per_dimension: int = 65535
@@ -256,6 +293,19 @@ class Device:
         """Back-end specific WGSL directives (``enable`` lines) put before every source."""
         return ""
 
+    def _destroy_buffer(self, handle) -> None:
+        """Release a buffer's GPU memory now (work already submitted that uses it still runs)."""
+        raise NotImplementedError
+
+    def _track_drop(self, buffer: Buffer):
+        """What happens when Python drops ``buffer`` without ``free`` (a weakref.finalize)."""
+        return weakref.finalize(buffer, _forget, self.counters, buffer.size)
+
+    def wait_idle(self, what: str = "GPU work") -> None:
+        """Block until the GPU has finished every submitted command (a real completion signal,
+        not a validation sync), raising the first error it reported."""
+        raise NotImplementedError
+
     def destroy(self) -> None:
         raise NotImplementedError
 
@@ -265,11 +315,33 @@ class Device:
         size = max(16, (int(size) + 15) // 16 * 16)
         if size > self.limits.max_buffer:
             raise DeviceLimitError(f"{label}: {size} bytes exceeds the device's maxBufferSize {self.limits.max_buffer}")
-        buffer = Buffer(self._create_buffer(size, usage, label), size, label)
+        buffer = Buffer(self._create_buffer(size, usage, label), size, label, kind)
         self.counters.allocate(kind, size)
+        self.counters.live_bytes += size
+        buffer._dropped = self._track_drop(buffer)
+        stack = getattr(_owners, "stack", None)
+        if stack and kind not in UNOWNED_KINDS:
+            stack[-1].append(buffer)
         if data is not None:
             self.write(buffer, data)
         return buffer
+
+    def free(self, buffers) -> int:
+        """Destroy ``buffers`` now (a closing session's own: no live plan may still bind them);
+        weights, shared and already freed ones are skipped. Returns the bytes released."""
+        released = 0
+        for buffer in buffers:
+            if buffer.freed or buffer.kind in UNOWNED_KINDS:
+                continue
+            buffer.freed = True
+            buffer._dropped.detach()
+            self.counters.live_bytes -= buffer.size
+            released += buffer.size
+            try:
+                self._destroy_buffer(buffer.handle)
+            except Exception:  # a lost device has released everything already
+                pass
+        return released
 
     def write(self, buffer: Buffer, data, offset: int = 0) -> None:
         data = memoryview(data).cast("B")

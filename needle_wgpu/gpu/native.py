@@ -85,6 +85,7 @@ class NativeDevice(Device):
             "readback": wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
         }
         self.lost = False
+        self._fence = None  # 16 bytes read back by wait_idle
 
     def _guard(self, what):
         if self.lost:
@@ -118,6 +119,16 @@ class NativeDevice(Device):
             return bytes(self._device.queue.read_buffer(handle, offset, size))
         except Exception as exc:
             raise self._failed(exc, "reading back") from None
+
+    def _destroy_buffer(self, handle):
+        handle.destroy()
+
+    def wait_idle(self, what="GPU work"):
+        """A 4-byte readback: it completes after every command submitted before it (wgpu-py
+        0.32's ``on_submitted_work_done_sync`` has a binding bug)."""
+        if self._fence is None:
+            self._fence = self._create_buffer(16, "storage", "fence")
+        self._read(self._fence, 0, 4)
 
     def _create_pipeline(self, source, entry, label):
         self._guard(label)

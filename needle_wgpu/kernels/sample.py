@@ -73,8 +73,8 @@ class SampleScratch:
     def __init__(self, device: Device, rows: int):
         self.rows = rows
         groups = -(-rows // SLICE)
-        self.state: Buffer = device.buffer(4 * (STATE_SLICES_AT + 8 * groups), label="sample_state")
-        self.weights: Buffer = device.buffer(4 * rows, label="sample_weights")
+        self.state: Buffer = device.buffer(4 * (STATE_SLICES_AT + 8 * groups), label="sample_state", kind="shared")
+        self.weights: Buffer = device.buffer(4 * rows, label="sample_weights", kind="shared")
 
 
 _shared_scratch: "weakref.WeakKeyDictionary[Device, SampleScratch]" = weakref.WeakKeyDictionary()
@@ -102,7 +102,7 @@ def _unmasked(device: Device) -> Buffer:
     """The one-word buffer an unmasked plan binds where a masked one binds its mask (never read)."""
     buffer = _no_mask.get(device)
     if buffer is None:
-        buffer = _no_mask[device] = device.buffer(16, label="sample_no_mask")
+        buffer = _no_mask[device] = device.buffer(16, label="sample_no_mask", kind="shared")
     return buffer
 
 
@@ -114,7 +114,7 @@ def penalty_counts(device: Device, rows: int) -> Buffer:
     so plans of any session share them; replaced by a larger one when ``rows`` needs it."""
     held = _shared_counts.get(device)
     if held is None or held[0] < rows:
-        held = _shared_counts[device] = (rows, device.buffer(4 * rows, label="penalty_counts"))
+        held = _shared_counts[device] = (rows, device.buffer(4 * rows, label="penalty_counts", kind="shared"))
     return held[1]
 
 

@@ -8,11 +8,12 @@ prebuilt ``Plan``. Everything that decides *when* a plan runs lives here, once.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
 from ..errors import ContextFullError, InputError, NeedleError, UnsupportedModelError
-from ..gpu.device import Device, Plan
+from ..gpu.device import Buffer, Device, Plan, recording
 from ..inputs import callback_or_none, checked_methods, id_list
 from ..logprobs import row_values, token_logprob
 from ..sampling import Sampling, clamp_count, saturate_ids
@@ -71,12 +72,35 @@ class ChunkedSession:
     supports_verify = False  # a family whose plans honour ``PlanKey.every_position``
     supports_mask = False  # a family whose plans pass ``self.mask`` to the sampler when key.mask
 
+    def __init_subclass__(cls, **kwargs):
+        """A family's ``__init__`` records the buffers it makes (``gpu.device.recording``): the
+        session owns them, and ``close`` frees them (one that fails half-way frees them at once)."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def recorded(self, *args, **options):
+            owned = self.__dict__.setdefault("_owned", [])
+            try:
+                with recording(owned):
+                    init(self, *args, **options)
+            except BaseException:
+                device = getattr(self, "device", None)
+                if device is not None:
+                    device.free(owned)
+                raise
+
+        cls.__init__ = recorded
+
     def _open(self, device: Device, context, limit: int) -> None:
         self.device = device
         self.context = clamp_context(context, limit)
         self.position = 0
         self._plans: dict = {}
         self._closed = False
+        self._owned = self.__dict__.get("_owned", [])  # the buffers close() frees
         self.step_uniform = device.buffer(16, label="step", usage="uniform", kind="session")
         self.tokens = device.buffer(4 * (self.context + 1), label="tokens", kind="session")
         self.result = device.buffer(16, label="sampled", kind="session")
@@ -90,7 +114,8 @@ class ChunkedSession:
     def _plan(self, key: PlanKey) -> Plan:
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._build(key)
+            with recording(self._owned):  # its uniform arena and per-plan buffers
+                plan = self._plans[key] = self._build(key)
         return plan
 
     def _check(self) -> None:
@@ -107,7 +132,8 @@ class ChunkedSession:
         if not isinstance(mask, (bytes, bytearray)) or len(mask) != size or not any(mask):
             raise InputError(f"mask: expected {size} bytes allowing at least one id")
         if self.mask is None:
-            self.mask = self.device.buffer(size, label="mask", kind="session")
+            with recording(self._owned):
+                self.mask = self.device.buffer(size, label="mask", kind="session")
         self.device.write(self.mask, bytes(mask))
         return True
 
@@ -131,18 +157,22 @@ class ChunkedSession:
 
         ``should_stop(done, total)``, if given, is called before each chunk with the positions
         prefilled so far and the prompt's length; a true answer ends the prefill there and
-        returns None (the positions already run stay in the cache).
+        returns None (the positions already run stay in the cache). A chunk is at most
+        ``chunk`` positions, or the device's ``prefill_chunk`` where that is lower.
         """
         self._check()
         ids, sampling = session_ids(ids), session_sampling(sampling, self.logit_rows, required=False)
         callback_or_none(should_stop, "should_stop")
         if not ids:
             return None
-        for start in range(0, len(ids), self.chunk):
+        start = 0
+        while start < len(ids):
             if should_stop is not None and should_stop(start, len(ids)):
                 return None
-            part = ids[start : start + self.chunk]
-            last = start + self.chunk >= len(ids)
+            length = min(self.chunk, self.device.prefill_chunk or self.chunk)  # may change between chunks
+            part = ids[start : start + length]
+            start += len(part)
+            last = start >= len(ids)
             self._run_chunk(part, sampling if last else None, mask=mask if last and sampling else None)
         if sampling is None:
             return None
@@ -201,7 +231,8 @@ class ChunkedSession:
             return []
         start, dev = self.position, self.device
         if self.round_records is None or self.round_records.size < 16 * count:
-            self.round_records = dev.buffer(16 * max(count, 16), label="round", kind="session")
+            with recording(self._owned):
+                self.round_records = dev.buffer(16 * max(count, 16), label="round", kind="session")
         dev.write(self.round_records, b"".join(struct.pack("<4I", start + i, 0, 0, 0) for i in range(count)))
         dev.run_steps(self._plan(PlanKey(1, sampling)), self.round_records, self.step_uniform, count)
         self.position += count
@@ -292,6 +323,12 @@ class ChunkedSession:
         return list(struct.unpack(f"<{rows}f", self.device.read(self.logits, 4 * rows)))
 
     def close(self) -> None:
-        """Release the session's buffers (the device reclaims them when they are dropped)."""
+        """Free the session's GPU memory now: the buffers it made (its caches, scratch and the
+        plans' uniforms; never the model's weights nor the device's shared scratch), once its
+        plans are gone. A closed session refuses further calls."""
         self._closed = True
         self._plans.clear()
+        owned = self.__dict__.get("_owned", [])
+        owned += [value for value in vars(self).values() if isinstance(value, Buffer)]  # made lazily elsewhere
+        self.device.free(owned)
+        owned.clear()

@@ -98,9 +98,11 @@ def test_absurd_numbers_saturate(app):
     assert reply["ok"], reply
     result = reply["result"]
     assert result["finishReason"] == "stopped" and 2 <= result["tokens"] < 20
-    assert result["settings"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0xFFFFFFFF, "max_tokens": 256,
+    assert result["settings"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0xFFFFFFFF,
+                                  "max_tokens": 256 - result["promptTokens"],  # what the prompt leaves
                                   "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                                  "frequency_penalty": 0.0, "penalty_last_n": 64, "logit_bias": {}}
+                                  "frequency_penalty": 0.0, "penalty_last_n": 64, "logit_bias": {},
+                                  "logit_bias_ignored": []}
     assert app.get_attribute("#engine-status", "data-state") == "ready"
 
 

@@ -21,7 +21,7 @@ from needle_wgpu.chat.template import render_chatml
 from needle_wgpu.reference.dense import DenseReference
 
 from gpu.parity import rel
-from .pages import ARTIFACTS, SMOLLM2, chat_turn, ensure_bundled, load_bundled, request
+from .pages import ARTIFACTS, SMOLLM2, chat_turn, ensure_bundled, fill_form, load_bundled, request
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -160,3 +160,51 @@ def test_chat_keeps_its_kv_cache_across_turns(smollm2_page, desktop):
     page.wait_for_function("(before) => window.needle.chatResets > before", arg=resets)
     assert request(page, "info")["result"]["chat"] is None
     page.fill("#chat-system", "")
+
+
+PASTE = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 200  # ~3,000 tokens
+
+
+def test_stop_two_seconds_into_a_long_paste_ends_within_two_chunks(smollm2_page):
+    """A 3,000-token paste as a free prompt, Stop clicked 2 s into its prefill: at most one
+    chunk is in flight (the worker waits for the GPU to finish each before it submits the
+    next), so the request ends within two chunks of the click, with nothing generated, and the
+    progress counted positions done. Chunks are sized to the adapter: on SwiftShader a chunk
+    of SmolLM2 takes about one decode step, not the 64 positions of a real GPU."""
+    page = smollm2_page
+    fill_form(page, prompt=PASTE, max_tokens=8)
+    page.evaluate("""() => {
+        const needle = window.needle;
+        needle.progressLog = [];
+        needle.stopAt = null;
+        needle.onProgress = (msg) => {
+            if (msg.stage === 'prefill' && needle.stopAt === null) {
+                needle.stopAt = -1;
+                setTimeout(() => { needle.stopAt = performance.now(); document.querySelector('#stop-button').click(); },
+                           2000);
+            }
+        };
+        needle.lastResult = null;
+    }""")
+    try:
+        page.click("#generate-button")
+        page.wait_for_function("() => window.needle.lastResult !== null")
+        ended = page.evaluate("() => performance.now()")
+    finally:
+        page.evaluate("() => { window.needle.onProgress = null; }")
+    reply = page.evaluate("() => window.needle.lastResult")
+    assert reply["ok"], reply
+    result = reply["result"]
+    assert result["finishReason"] == "stopped" and result["tokens"] == 0, result
+    assert result["promptTokens"] > 2500
+    stop_at = page.evaluate("() => window.needle.stopAt")
+    prefill = [p for p in page.evaluate("() => window.needle.progressLog") if p["stage"] == "prefill"]
+    done = [p["done"] for p in prefill]
+    assert done == sorted(done) and done[-1] < result["promptTokens"]
+    chunks = [b["at"] - a["at"] for a, b in zip(prefill, prefill[1:])]
+    assert len(chunks) >= 1, prefill
+    after = [p for p in prefill if p["at"] > stop_at]
+    assert len(after) <= 2, (after, chunks)  # chunks that finished after the click
+    assert ended - stop_at <= 2 * max(chunks) + 1000, (ended - stop_at, chunks)
+    print(f"chunk positions {sorted({b - a for a, b in zip(done, done[1:])})}, chunk ms "
+          f"{[round(c) for c in chunks]}, stop to reply {ended - stop_at:.0f} ms")

@@ -65,7 +65,7 @@ def _placeholder(device: Device):
     """A 16-byte buffer bound as ``cells`` when no cell is written (the slot must be bound)."""
     buffer = _placeholders.get(device)
     if buffer is None:
-        buffer = device.buffer(16, label="no_cells")
+        buffer = device.buffer(16, label="no_cells", kind="shared")
         _placeholders[device] = buffer
     return buffer
 
