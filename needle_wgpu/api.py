@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .generation import Decoded, Steps, TokenEvent, decode  # noqa: F401  TokenEvent: part of this surface
 from .formats.cact import CONFIDENCE_HEAD
-from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
+from .errors import ContextFullError, DepthError, InputError, NeedleError, UnsupportedModelError
 from .gpu.device import Device
 from .inputs import (as_text, callback_or_none, check_keywords, checked_methods, flag, id_list, instance_or_none,
                      optional_text, stop_strings)
@@ -390,7 +390,9 @@ class Model:
             return []
         session = self.gpu.session(context=context, kv=kv)
         try:
-            return session.all_logits(request[: session.context])
+            if len(request) > session.context:  # never cut silently (a file's context_length may be 1)
+                raise ContextFullError(f"logits: {len(request)} ids, more than the context of {session.context}")
+            return session.all_logits(request)
         finally:
             session.close()
 

@@ -421,3 +421,28 @@ def test_an_enum_of_deeply_nested_values_is_refused_not_a_recursion_error():
         value = [value]
     with pytest.raises(GrammarError, match="not JSON"):
         compile_schema({"enum": [value]})
+
+
+def test_fuzz_schemas_compile_or_raise_a_grammar_error():
+    """Random schemas (hostile bounds, type lists, enums, nesting) through the compiler and the
+    matcher: a GrammarError or an automaton whose texts the schema accepts, within a bound."""
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from test_request_limits import _schema
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_schema, st.binary(max_size=12))
+    def run(schema, text):
+        started = time.perf_counter()
+        try:
+            automaton = Automaton(compile_schema(schema))
+        except GrammarError:
+            return
+        automaton.advance_bytes(automaton.initial, text)
+        assert automaton.finish(automaton.initial) >= 0
+        assert time.perf_counter() - started < 5.0
+
+    run()
