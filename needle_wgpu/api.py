@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .chat.tools import Completion, tools_json
 from .conversation import Conversation
-from .errors import DepthError, InputError, NeedleError, UnsupportedModelError
+from .errors import ContextFullError, DepthError, InputError, NeedleError, UnsupportedModelError
 from .families import open_gpu_model
 from .formats.cact import CONFIDENCE_HEAD
 from .generation import Decoded, Steps, TokenEvent, decode, round_tokens  # noqa: F401  TokenEvent: part of this surface
@@ -391,7 +391,9 @@ class Model:
             return []
         session = self.gpu.session(context=context, kv=kv)
         try:
-            return session.all_logits(request[: session.context])
+            if len(request) > session.context:  # never cut silently (a file's context_length may be 1)
+                raise ContextFullError(f"logits: {len(request)} ids, more than the context of {session.context}")
+            return session.all_logits(request)
         finally:
             session.close()
 

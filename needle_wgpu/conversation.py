@@ -239,23 +239,48 @@ class Conversation:
 
     def _fit(self, tokenizer, room: int, stats: TurnStats) -> list:
         """The rendered history's ids, dropping the oldest turns while the reply would lack
-        ``room`` positions. The latest message alone too long is a ``ContextFullError``."""
-        context = self.session.context
+        ``room`` positions. The latest message alone too long is a ``ContextFullError``.
+
+        A turn starts at a user message, so the candidate histories keep the system message
+        and everything from one user message on. Keeping fewer turns never renders more ids,
+        so the one kept is found by galloping down from the latest turn and bisecting (about
+        2·log2(turns) renderings, each no longer than about twice what fits), not by dropping
+        one turn and rendering again (quadratic in the history): the same cut, the same ids."""
+        context, messages = self.session.context, self.messages
         ids = self._render(tokenizer)
-        while len(ids) + room > context:
-            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            # a turn starts at a user message: drop through the next one's start
-            starts = [i for i in range(first + 1, len(self.messages)) if self.messages[i]["role"] == "user"]
-            if not starts:  # stream() takes the message back: the conversation stays usable
-                raise ContextFullError(f"the message needs {len(ids)} positions and the reply {room}: "
-                                       f"more than the context of {context}")
-            dropped = starts[0] - first
-            del self.messages[first:starts[0]]
-            stats.dropped_messages += dropped
-            ids = self._render(tokenizer)
-        if stats.dropped_messages:
-            stats.notices.append(f"context full: dropped the {stats.dropped_messages} oldest messages")
-        return ids
+        if len(ids) + room <= context:
+            return ids
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        cuts = [first] + [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+        rendered = {0: ids}
+
+        def kept(j: int) -> list:  # the ids of the history from cuts[j] on (the system message kept)
+            if j not in rendered:
+                rendered[j] = self.model.chat_format.render_ids(tokenizer, messages[:first] + messages[cuts[j]:],
+                                                                self.tools)
+            return rendered[j]
+
+        def fits(j: int) -> bool:
+            return len(kept(j)) + room <= context
+
+        last = len(cuts) - 1
+        if last == 0 or not fits(last):  # stream() takes the message back: the conversation stays usable
+            raise ContextFullError(f"the message needs {len(kept(last))} positions and the reply {room}: "
+                                   f"more than the context of {context}")
+        good, step = last, 1  # fits(good); fits(bad) is false
+        while last - step > 0 and fits(last - step):
+            good, step = last - step, step * 2
+        bad = max(last - step, 0)
+        while good - bad > 1:
+            middle = (good + bad) // 2
+            if fits(middle):
+                good = middle
+            else:
+                bad = middle
+        stats.dropped_messages = cuts[good] - first
+        del self.messages[first:cuts[good]]
+        stats.notices.append(f"context full: dropped the {stats.dropped_messages} oldest messages")
+        return kept(good)
 
     def _prefix(self, ids: list, stats: TurnStats):
         """Keep the longest cached prefix of ``ids`` (at least one id is left to prefill, so

@@ -19,6 +19,7 @@ from fractions import Fraction
 
 from .errors import ContainerError, InputError
 from .formats.source import as_byte_view
+from .request_limits import LIMITS, check_text_length
 
 TEXT_TYPES = (str, bytes, bytearray)
 _BIG = 1 << 64  # beyond this a non-int number only keeps its sign (see whole_number)
@@ -154,14 +155,15 @@ def iterable(value, problem: str):
 def as_text(value, name: str) -> str:
     """Text a caller passed: a ``str`` as it is (lone surrogates included), bytes decoded as
     UTF-8 (invalid sequences -> U+FFFD), None -> ``""``. Anything else (a number, a list, an
-    array) is an ``InputError`` naming the argument."""
+    array), or a text longer than ``request_limits.LIMITS.text_chars``, is an ``InputError``
+    naming the argument."""
     value = _plain(value)
     if isinstance(value, str):
-        return value
+        return check_text_length(value, name)
     if value is None:
         return ""
     if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
+        return bytes(check_text_length(value, name)).decode("utf-8", "replace")
     raise InputError(f"{name} must be text (str), got {type(value).__name__}")
 
 
@@ -178,7 +180,8 @@ def wants_int8(kv) -> bool:
 
 def stop_strings(stop) -> list:
     """Stop strings: one text or an iterable of them. Empty strings and items that are not text
-    are ignored; None -> none; anything else -> ``InputError``."""
+    are ignored; None -> none; anything else, or more than ``LIMITS.stop_strings`` strings ->
+    ``InputError``."""
     stop = _plain(stop)
     if stop is None:
         return []
@@ -191,6 +194,8 @@ def stop_strings(stop) -> list:
             item = as_text(item, "stop")
             if item:
                 strings.append(item)
+                if len(strings) > LIMITS.stop_strings:
+                    raise InputError(f"stop: more than {LIMITS.stop_strings} stop strings")
     return strings
 
 

@@ -22,7 +22,8 @@ from .conversation import Conversation
 from .errors import InputError, UnsupportedModelError
 from .generation import openai_finish_reason
 from .grammar.tagged_calls import reply_grammar
-from .inputs import flag, stop_strings
+from .inputs import describe, flag, stop_strings
+from .request_limits import check_json
 
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_REQUIRED_CALLS = 4  # tool_choice "required": 1 .. this many calls in one reply
@@ -55,7 +56,7 @@ def check_tool_choice(tool_choice, tools) -> tuple:
     if isinstance(tool_choice, str):
         if tool_choice not in TOOL_CHOICES:
             raise InputError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
-                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
+                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {describe(tool_choice)}")
         if tool_choice == "required" and not tools:
             raise InputError("tool_choice 'required' needs tools")
         return tool_choice, None
@@ -65,7 +66,7 @@ def check_tool_choice(tool_choice, tools) -> tuple:
         raise InputError("tool_choice: a named function is {'type': 'function', 'function': {'name': ...}}")
     name = function["name"]
     if name not in names:
-        raise InputError(f"tool_choice names the function {name!r}, which is not among the tools "
+        raise InputError(f"tool_choice names the function {describe(name)}, which is not among the tools "
                          f"({', '.join(repr(n) for n in names if n) or 'none given'})")
     return "function", [name]
 
@@ -81,9 +82,9 @@ def check_response_format(response_format) -> tuple:
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
             raise InputError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
-        return kind, spec["schema"]
+        return kind, check_json(spec["schema"], "response_format.json_schema.schema")
     raise InputError("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
-                     f"{{'type': 'json_schema', 'json_schema': {{...}}}}, got {response_format!r}")
+                     f"{{'type': 'json_schema', 'json_schema': {{...}}}}, got {describe(response_format)}")
 
 
 def reply_shape(model, tools, tool_choice, response_format) -> ReplyShape:

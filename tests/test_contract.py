@@ -363,7 +363,7 @@ def test_tools_json_errors():
         prompt.compact_tools_json("[" * 100_000 + "]" * 100_000)
     circular = []
     circular.append(circular)
-    with pytest.raises(InputError, match="tools: not serialisable"):
+    with pytest.raises(InputError, match=r"tools: at \[0\]\[0\]\[0\]\[0\]\.\.\..*(or a cycle)"):
         prompt.compact_tools_json(circular)
     assert prompt.compact_tools_json(None) == "[]"
     assert prompt.compact_tools_json({"name": "f"}) == '[{"name":"f"}]'
@@ -536,7 +536,9 @@ def test_a_sampling_built_directly_saturates_too():
 ])
 def test_context_rule(context, expected):
     assert clamp_context(context, 256) == expected
-    assert engine().logits([2] * 300, context=context) == [[0.0] * 512] * expected
+    assert engine().logits([2] * expected, context=context) == [[0.0] * 512] * expected
+    with pytest.raises(ContextFullError, match=f"{expected + 1} ids, more than the context of {expected}"):
+        engine().logits([2] * (expected + 1), context=context)  # never cut silently
 
 
 def test_reference_prefill_chunk_saturates():
@@ -745,3 +747,23 @@ def test_cli_generate_passes_numerics_and_kv(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     with pytest.raises(SystemExit):
         cli.main(["generate", path, "--prompt", "hi", "--numerics", "int4", "--quiet"])
+
+
+def test_the_reference_raises_needle_errors_only():
+    """A file whose records do not fit together makes NumPy raise deep in an op; the reference's
+    public methods turn that into a ContainerError naming the method."""
+    np = pytest.importorskip("numpy")
+    from needle_wgpu.reference.boundary import raises_container_errors
+    from needle_wgpu.reference.needle3.heads import ProbePool
+
+    @raises_container_errors
+    class Reference:
+        def forward(self, ids):
+            return np.zeros(2) + np.zeros(3)  # a width mismatch
+
+    with pytest.raises(ContainerError, match=r"reference forward: the file's records do not fit together"):
+        Reference().forward([1])
+    pool = ProbePool.__new__(ProbePool)
+    pool.positions, pool.denominator = 0, np.zeros(1)
+    with pytest.raises(ContainerError, match="at least one kept position"):
+        pool.output()

@@ -262,3 +262,68 @@ def test_a_rewound_turn_that_runs_nothing_leaves_the_cache_record_true():
     conversation.send("More")
     turn = conversation.turns[2]
     assert turn.reused == same and gpu.prefills[-1] == turn.prompt_tokens - same
+
+
+def _linear_fit(model, tokenizer, messages, tools, room, context):
+    """The reference: drop the oldest turn (through the next user message) and render again."""
+    messages, dropped = list(messages), 0
+    ids = model.chat_format.render_ids(tokenizer, messages, tools)
+    while len(ids) + room > context:
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        starts = [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+        if not starts:
+            return None, dropped
+        dropped += starts[0] - first
+        del messages[first:starts[0]]
+        ids = model.chat_format.render_ids(tokenizer, messages, tools)
+    return ids, dropped
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dropping_turns_keeps_exactly_the_turns_one_at_a_time_dropping_kept(seed):
+    """The cut is found by galloping and bisection; it is the one dropping turn by turn finds."""
+    import random
+
+    from needle_wgpu.conversation import TurnStats
+
+    rng = random.Random(seed)
+    gpu = ScriptedGpu()
+    model = Model(gpu)
+    for _ in range(8):
+        messages = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.5 else []
+        for turn in range(rng.randrange(1, 40)):
+            messages.append({"role": "user", "content": "word " * rng.randrange(0, 30)})
+            if rng.random() < 0.3:
+                messages.append({"role": "tool", "content": "result " * rng.randrange(0, 10)})
+            messages.append({"role": "assistant", "content": "answer " * rng.randrange(0, 20)})
+        messages.append({"role": "user", "content": "last " * rng.randrange(0, 20)})
+        context, room = rng.choice([64, 128, 256, 512]), rng.choice([8, 16])
+        expected, dropped = _linear_fit(model, gpu.tokenizer, messages, None, room, context)
+        conversation = model.conversation(context=context)
+        conversation.messages = list(messages)
+        conversation._session()
+        stats = TurnStats()
+        if expected is None:
+            with pytest.raises(ContextFullError):
+                conversation._fit(gpu.tokenizer, room, stats)
+            continue
+        assert conversation._fit(gpu.tokenizer, room, stats) == expected
+        assert stats.dropped_messages == dropped and len(conversation.messages) == len(messages) - dropped
+
+
+def test_twenty_thousand_turns_at_a_small_context_fit_in_a_few_renderings():
+    """Dropping one turn and rendering again was quadratic (minutes at 20,000 turns)."""
+    import time
+
+    gpu = ScriptedGpu(["ok"])
+    conversation = Model(gpu).conversation("Short.", context=512)
+    history = []
+    for i in range(20_000):
+        history += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    conversation.add(history)
+    started = time.perf_counter()
+    conversation.send("last question", max_tokens=8)
+    assert time.perf_counter() - started < 10.0
+    turn = conversation.turns[-1]
+    assert turn.dropped_messages > 39_000 and turn.prompt_tokens + 8 <= 512  # room: max_tokens
+    assert conversation.messages[-2]["content"] == "last question"

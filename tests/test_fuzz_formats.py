@@ -19,6 +19,8 @@ import tracemalloc
 from collections import Counter
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gguf_samples import build_gguf, dense_parts
 from needle_wgpu.errors import NeedleError
@@ -521,3 +523,48 @@ def test_the_unmutated_gguf_files_load_within_the_same_limits():
     cases = [(i, (data, "none")) for i, (data, _) in enumerate(GGUF_BASES.values())]
     outcomes, failures = run_cases(cases, open_gguf_like_the_engine, check_loaded_gguf, lambda size: size)
     assert outcomes == {"loaded": 2} and not failures, failures
+
+
+# ----------------------------------------------------------------------------------- GGUF tokenizer metadata
+
+
+def _tokenizer_metadata_file(model, tokens, types, scores, merges, extra) -> bytes:
+    from needle_wgpu.formats import gguf as G
+
+    kvs = [("tokenizer.ggml.model", G.STRING, model), ("tokenizer.ggml.tokens", G.ARRAY, (G.STRING, tokens))]
+    if types is not None:
+        kvs.append(("tokenizer.ggml.token_type", G.ARRAY, (G.INT32, types)))
+    if scores is not None:
+        kvs.append(("tokenizer.ggml.scores", G.ARRAY, (G.FLOAT32, scores)))
+    if merges is not None:
+        kvs.append(("tokenizer.ggml.merges", G.ARRAY, (G.STRING, merges)))
+    kvs += [(f"tokenizer.ggml.{key}", G.UINT32, value) for key, value in extra]
+    return build_gguf(kvs, [])[0]
+
+
+_piece = st.one_of(st.text(max_size=12), st.sampled_from(["<s>", "</s>", "<|im_end|>", "<|endoftext|>", "\u2581a",
+                                                          "Ġ", "<0x41>", "<0xZZ>", "a" * 300, "<" * 50]))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(model=st.sampled_from(["gpt2", "llama", "bert"]), tokens=st.lists(_piece, min_size=1, max_size=40),
+       types=st.one_of(st.none(), st.lists(st.integers(-3, 9), max_size=45)),
+       scores=st.one_of(st.none(), st.lists(st.floats(width=32), max_size=45)),
+       merges=st.one_of(st.none(), st.lists(st.text(max_size=9), max_size=20)),
+       extra=st.lists(st.tuples(st.sampled_from(["bos_token_id", "eos_token_id", "unknown_token_id", "eot_token_id",
+                                                 "add_bos_token"]), st.integers(0, 2 ** 32 - 1)), max_size=4),
+       text=st.text(max_size=60))
+def test_fuzz_gguf_tokenizer_metadata_loads_or_raises_a_needle_error(model, tokens, types, scores, merges, extra,
+                                                                     text):
+    from needle_wgpu.errors import NeedleError
+    from needle_wgpu.formats.gguf_tokenizer import tokenizer_from_gguf
+
+    data = _tokenizer_metadata_file(model, tokens, types, scores, merges, extra)
+    try:
+        tokenizer = tokenizer_from_gguf(open_gguf(data).metadata())
+    except NeedleError:
+        return
+    for parse_special in (False, True):
+        ids = tokenizer.encode(text + "".join(tokens[:3]), parse_special=parse_special)
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+        assert isinstance(tokenizer.decode(ids), str)

@@ -363,3 +363,86 @@ def test_cached_masks_equal_a_walk_of_every_id():
             if matcher.ended:
                 break
     assert checked > 800  # states x budgets compared
+
+
+# ------------------------------------------------------------------------------ compile cost
+
+
+def _nested_type_lists(levels: int) -> dict:
+    schema = {}
+    for _ in range(levels):
+        schema = {"type": ["array", "array"], "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"type": "number", "maximum": 1e300}, b"-12.5"),
+    ({"type": "number", "minimum": -1e300, "exclusiveMaximum": 1e300}, b"999999999999"),
+    ({"type": "integer", "maximum": 10 ** 400}, b"7"),
+    ({"type": "integer", "minimum": -(10 ** 400), "maximum": 3}, b"-999999999999"),
+    ({"type": "string", "maxLength": float("inf")}, b'"abc"'),
+    (_nested_type_lists(24), b"[[]]"),
+    ({"enum": ["x" * 100_000]}, json.dumps("x" * 100_000).encode()),
+])
+def test_hostile_bounds_and_shapes_compile_fast(schema, text):
+    """Bounds beyond what the digits can write allow what 10^int_digits does (once a walk
+    without end), a type list is a set (once 2^24 nodes), an enum state is a run of options
+    (once every prefix of a 100 KB string)."""
+    import time
+    started = time.perf_counter()
+    automaton = Automaton(compile_schema(schema))
+    assert automaton.matches(text)
+    assert time.perf_counter() - started < 5.0
+
+
+def test_a_bound_beyond_the_digits_refuses_what_no_text_reaches():
+    with pytest.raises(GrammarError, match="no number"):
+        compile_schema({"type": "number", "minimum": 1e300})
+    with pytest.raises(GrammarError, match="no integer"):
+        compile_schema({"type": "integer", "maximum": -(10 ** 400)})
+
+
+@pytest.mark.parametrize("schema, problem", [
+    ({"type": "object", "properties": {}, "required": [{}]}, "list of names"),
+    ({"type": [["array"]]}, "list of names"),
+    ({"type": {"a": 1}}, "list of names"),
+    ({"enum": [[[[]]]] * 3 + ["x" * (1 << 18)]}, "bytes of JSON"),
+    ({"anyOf": [{"type": "string"}] * 30_000}, "grammar nodes"),
+    ({"type": "number", "maximum": "big"}, "must be a number"),
+])
+def test_schemas_beyond_the_limits_are_refused_by_name(schema, problem):
+    with pytest.raises(GrammarError, match=problem):
+        compile_schema(schema)
+
+
+def test_an_enum_of_deeply_nested_values_is_refused_not_a_recursion_error():
+    value = []
+    for _ in range(100_000):
+        value = [value]
+    with pytest.raises(GrammarError, match="not JSON"):
+        compile_schema({"enum": [value]})
+
+
+def test_fuzz_schemas_compile_or_raise_a_grammar_error():
+    """Random schemas (hostile bounds, type lists, enums, nesting) through the compiler and the
+    matcher: a GrammarError or an automaton whose texts the schema accepts, within a bound."""
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from test_request_limits import _schema
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_schema, st.binary(max_size=12))
+    def run(schema, text):
+        started = time.perf_counter()
+        try:
+            automaton = Automaton(compile_schema(schema))
+        except GrammarError:
+            return
+        automaton.advance_bytes(automaton.initial, text)
+        assert automaton.finish(automaton.initial) >= 0
+        assert time.perf_counter() - started < 5.0
+
+    run()

@@ -132,3 +132,66 @@ def test_markers_are_matched_longest_first_at_the_leftmost_position():
     assert tokenizer.decode(ids) == "b<a>x<a>"
     ids = tokenizer.encode("<a>b")
     assert ids == [tokenizer.id_of("<a>b")]
+
+
+# ------------------------------------------------------------------------------ GGUF tokenizers
+
+
+def _tokenizer_gguf(metadata: dict) -> bytes:
+    """A GGUF file holding only ``metadata``'s tokenizer keys (strings, string arrays, u32/i32
+    arrays, f32 arrays, u32 values)."""
+    from gguf_samples import build_gguf
+    from needle_wgpu.formats import gguf as G
+
+    kvs = []
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            kvs.append((key, G.STRING, value))
+        elif isinstance(value, bool):
+            kvs.append((key, G.BOOL, value))
+        elif isinstance(value, int):
+            kvs.append((key, G.UINT32, value))
+        elif value and isinstance(value[0], str):
+            kvs.append((key, G.ARRAY, (G.STRING, value)))
+        elif value and isinstance(value[0], float):
+            kvs.append((key, G.ARRAY, (G.FLOAT32, value)))
+        else:
+            kvs.append((key, G.ARRAY, (G.INT32, value)))
+    return build_gguf(kvs, [])[0]
+
+
+def _adversarial_vocabularies():
+    from gguf_tokenizer_files import CONTROL, USER_DEFINED, bpe_metadata, spm_metadata
+
+    long = 65536
+    return {
+        "one long control token (bpe)": bpe_metadata(specials=[("<" + "y" * long, CONTROL)]),
+        "one long user-defined token (bpe)": bpe_metadata(specials=[("x" + "y" * long, USER_DEFINED)]),
+        "one long control token (spm)": spm_metadata([("<" + "a" * long + ">", CONTROL, 0.0)]),
+        "a long token of one repeated character": bpe_metadata(specials=[("q" * long, CONTROL)]),
+        "long tokens sharing a prefix": bpe_metadata(
+            specials=[("<" + "s" * 8000 + f"{i:02d}", USER_DEFINED) for i in range(16)]),
+        "many special tokens": bpe_metadata(specials=[(f"<t{i}>", CONTROL) for i in range(20000)]),
+        "long normal pieces": spm_metadata([("\u2581" + "n" * 16000 + str(i), -1.0) for i in range(4)]),
+    }
+
+
+@pytest.mark.parametrize("shape", list(_adversarial_vocabularies()))
+def test_gguf_tokenizer_metadata_loads_in_linear_time_and_memory(shape):
+    """Load cost is near-linear in the file whatever its pieces hold: the special-token index
+    once kept every prefix of every special token (a 65,536-character control token took 2 GB)."""
+    from needle_wgpu.formats.gguf import open_gguf
+    from needle_wgpu.formats.gguf_tokenizer import tokenizer_from_gguf
+
+    data = _tokenizer_gguf(_adversarial_vocabularies()[shape])
+    tokenizer, elapsed, peak = _measure(lambda: tokenizer_from_gguf(open_gguf(data).metadata()))
+    assert elapsed < SECONDS_PER_MB * max(len(data), 1e6) / 1e6
+    # A special token costs its piece's objects twice over (both partition modes' tries).
+    assert peak < BYTES_PER_FILE_BYTE * len(data) + 2 * BYTES_PER_PIECE * tokenizer.vocab_size
+    # The longest special token is still cut out whole, and text made of its prefix costs linear time.
+    last = tokenizer.piece(tokenizer.vocab_size - 1)
+    if "normal" not in shape:
+        assert tokenizer.encode("a" + last, parse_special=True)[-1] == tokenizer.vocab_size - 1
+    started = time.perf_counter()
+    tokenizer.encode(last[:-1] * 2, parse_special=True)
+    assert time.perf_counter() - started < 5.0

@@ -10,7 +10,8 @@ escapes ``<``, which changes a tool prompt). The template gets ``messages``, ``t
 
 jinja2 and MarkupSafe are pure-Python wheels (runtime dependencies on the desktop, bundled for
 the browser). Where jinja2 cannot be imported, or the template fails to compile or to render,
-the built-in ChatML renders instead and ``ChatTemplate.note`` says why.
+the built-in ChatML renders instead and ``ChatTemplate.note`` says why. A file's template is
+untrusted: it runs sandboxed and bounded in work and size (``template_sandbox.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from datetime import datetime
 
 from ..errors import InputError
 from ..inputs import as_text
+from ..request_limits import LIMITS, check_json, check_text_length
+from .template_sandbox import BASE_STEPS, STEPS_PER_MESSAGE, bound_filters, bounded_environment, render_bounded
 from .tools import call_arguments, check_tools
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -31,12 +34,15 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 def check_messages(messages) -> list:
     """OpenAI-style messages as plain dicts: ``role`` one of ROLES, ``content`` text (None or
-    absent -> ""), an assistant's ``tool_calls`` a list, a tool's ``name``/``tool_call_id`` text.
-    Anything else is an ``InputError`` naming the message."""
+    absent -> ""), an assistant's ``tool_calls`` a list, a tool's ``name``/``tool_call_id`` text;
+    within ``request_limits.LIMITS`` (count, characters, calls; each call's arguments a JSON
+    value ``check_json`` accepts). Anything else is an ``InputError`` naming the message."""
     if isinstance(messages, (str, bytes, dict)) or not hasattr(messages, "__iter__"):
         raise InputError("messages must be a list of {'role': ..., 'content': ...} objects")
-    out = []
+    out, chars = [], 0
     for i, message in enumerate(messages):
+        if i >= LIMITS.messages:
+            raise InputError(f"messages: more than {LIMITS.messages} messages")
         if not isinstance(message, dict):
             raise InputError(f"messages[{i}] must be an object with 'role' and 'content', "
                              f"got {type(message).__name__}")
@@ -44,11 +50,16 @@ def check_messages(messages) -> list:
         if role not in ROLES:
             raise InputError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         clean = {"role": role, "content": as_text(message.get("content"), f"messages[{i}].content")}
+        chars += len(clean["content"])
+        if chars > LIMITS.message_chars:
+            raise InputError(f"messages: more than {LIMITS.message_chars} characters of content")
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, (list, tuple)):
                 raise InputError(f"messages[{i}].tool_calls: a list, on assistant messages only")
-            clean["tool_calls"] = [_template_call(i, call) for call in calls]
+            if len(calls) > LIMITS.tool_calls:
+                raise InputError(f"messages[{i}].tool_calls: more than {LIMITS.tool_calls} calls")
+            clean["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(calls)]
         for key in ("name", "tool_call_id"):
             if message.get(key) is not None:
                 clean[key] = as_text(message[key], f"messages[{i}].{key}")
@@ -56,17 +67,22 @@ def check_messages(messages) -> list:
     return out
 
 
-def _template_call(i: int, call) -> dict:
+def _template_call(i: int, j: int, call) -> dict:
     """An OpenAI tool call as templates read it: ``function.arguments`` as an object (Qwen's
     template writes it with ``tojson``), the string form parsed when it is JSON."""
+    where = f"messages[{i}].tool_calls[{j}]"
     if not isinstance(call, dict):
-        raise InputError(f"messages[{i}].tool_calls: each call must be an object")
+        raise InputError(f"{where}: each call must be an object")
     function = call.get("function", call)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise InputError(f"messages[{i}].tool_calls: each call needs function.name")
-    arguments = call_arguments(function.get("arguments", {}))  # a string that is not JSON shows as it is
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": function["name"], "arguments": arguments}}
+        raise InputError(f"{where}: each call needs function.name")
+    name = check_text_length(function["name"], f"{where}.function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, (str, bytes, bytearray)):
+        check_text_length(arguments, f"{where}.function.arguments")
+    arguments = check_json(call_arguments(arguments), f"{where}.function.arguments")  # a string that is not JSON shows as it is
+    call_id = check_json(call.get("id"), f"{where}.id")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 # ------------------------------------------------------------------------------ ChatML
@@ -143,9 +159,12 @@ def _jinja_environment():
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    environment, bound_error, bounded_filter = bounded_environment(jinja2, nodes, Extension,
+                                                                   ImmutableSandboxedEnvironment)
+    env = environment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
+    bound_filters(env, bounded_filter)
+    env.bound_error = bound_error
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -197,11 +216,14 @@ class ChatTemplate:
         if self._template is not None:
             if tools and not self.uses_tools:  # the template would drop them: state them Qwen-style
                 messages = _with_tools_in_system(messages, tools)
+            steps = BASE_STEPS + STEPS_PER_MESSAGE * (len(messages) + len(tools or ()))
             try:
-                return self._template.render(messages=messages, tools=tools,
-                                             add_generation_prompt=add_generation_prompt,
-                                             bos_token=self.bos_token, eos_token=self.eos_token)
-            except Exception as exc:  # raise_exception or a template bug: never the caller's crash
+                return render_bounded(self._template, self._template.environment.bound_error, steps,
+                                      messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                      bos_token=self.bos_token, eos_token=self.eos_token)
+            except RecursionError as exc:  # macro recursion: the same fallback
+                self.last_note = f"the chat template failed ({type(exc).__name__}): built-in ChatML"
+            except Exception as exc:  # raise_exception, a bound, or a template bug: never the caller's crash
                 self.last_note = f"the chat template failed ({type(exc).__name__}: {exc}): built-in ChatML"
         return render_chatml(messages, tools, add_generation_prompt)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..inputs import checked
+from ..request_limits import LIMITS, check_json, check_text_length
 
 
 @dataclass
@@ -45,14 +46,15 @@ def tools_json(tools) -> str:
     model saw lists of tools in training). Pretty-printed JSON changes the model's decisions
     (§9), so a string is parsed and re-serialised; numbers come out as Python writes them
     (``1e5`` becomes ``100000.0``). Raises ``InputError`` for invalid JSON (with its position),
-    a top level that is not a list or object, or a value JSON cannot hold (a cycle, a set, NaN,
-    nesting deeper than the interpreter's recursion limit).
+    a top level that is not a list or object, or a value outside ``request_limits.check_json``
+    (a cycle, a set, NaN, nesting deeper than 64 levels, more than 1024 tools) naming the field.
     """
     if tools is None:
         return "[]"
     if isinstance(tools, (bytes, bytearray)):
-        tools = bytes(tools).decode("utf-8", "replace")
+        tools = bytes(check_text_length(tools, "tools")).decode("utf-8", "replace")
     if isinstance(tools, str):
+        check_text_length(tools, "tools")
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as exc:
@@ -64,6 +66,9 @@ def tools_json(tools) -> str:
         tools = [tools]
     if not isinstance(tools, (list, tuple)):
         raise InputError(f"tools: expected a JSON array of tool objects, got {json_kind(tools)}")
+    if len(tools) > LIMITS.tools:
+        raise InputError(f"tools: {len(tools)} tools, more than the limit of {LIMITS.tools}")
+    check_json(tools, "tools")
     try:
         return json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
@@ -102,6 +107,6 @@ def call_arguments(arguments):
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's limit
             return arguments
     return arguments

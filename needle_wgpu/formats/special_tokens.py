@@ -11,6 +11,10 @@ newlines and tabs: every position of an indented line starts several). When the 
 tokens containing a character are runs of it, each maximal run of that character is cut on its
 own, by arithmetic: llama.cpp's order takes as many of the longest fitting run as fit, from the
 left, then the same on the remainder with shorter runs.
+
+The other tokens sit in a compressed trie (one edge per token or branch point, labelled with its
+text), so building it costs memory and time linear in the tokens' total length, however long one
+token is, and finding every token that starts at a position walks only the edges it matches.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ class SpecialTokenSplitter:
                 others.append((rank, text, token_id))
         self._run_pattern = re.compile("|".join(f"\\U{ord(c):08X}+" for c in self._runs)) \
             if self._runs else None
-        self._rank = {text: (rank, token_id) for rank, text, token_id in others}
-        self._prefixes = {text[:k] for text in self._rank for k in range(1, len(text) + 1)}
-        self._starts = _char_class(text[0] for text in self._rank)
+        self._trie = {}
+        for rank, text, token_id in others:
+            _insert(self._trie, text, (rank, token_id))
+        self._starts = _char_class(self._trie)
 
     def split(self, text: str) -> list:
         if not text:
@@ -82,17 +87,21 @@ class SpecialTokenSplitter:
 
     def _other_cuts(self, text: str) -> list:
         """Every occurrence of the other tokens, then accepted in llama.cpp's order."""
-        prefixes, ranks, end = self._prefixes, self._rank, len(text)
+        root, end = self._trie, len(text)
         found = []
         for match in self._starts.finditer(text):
-            at = match.start()
-            for stop in range(at + 1, end + 1):
-                candidate = text[at:stop]
-                if candidate not in prefixes:
+            at = pos = match.start()
+            node = root
+            while pos < end:
+                edge = node.get(text[pos])
+                if edge is None or not text.startswith(edge[0], pos):
                     break
-                entry = ranks.get(candidate)
-                if entry is not None:
-                    found.append((entry[0], at, stop, entry[1]))
+                pos += len(edge[0])
+                if edge[2] is not None:
+                    found.append((edge[2][0], at, pos, edge[2][1]))
+                node = edge[1]
+                if node is None:
+                    break
         if not found:
             return []
         found.sort()
@@ -103,3 +112,35 @@ class SpecialTokenSplitter:
                 taken[at:stop] = b"\x01" * (stop - at)
                 accepted.append((at, stop, token_id))
         return accepted
+
+
+def _insert(trie: dict, text: str, entry) -> None:
+    """Adds ``text`` to a compressed trie: a node maps a first character to its edge
+    ``[label, child node or None (a leaf), entry or None]``; an edge is split where a new text
+    leaves it. Each character of ``text`` is compared once: building costs the texts' length."""
+    node, pos, end = trie, 0, len(text)
+    while True:
+        edge = node.get(text[pos])
+        if edge is None:
+            node[text[pos]] = [text[pos:], None, entry]
+            return
+        label = edge[0]
+        if text.startswith(label, pos):
+            pos += len(label)
+            if pos == end:
+                edge[2] = entry
+                return
+            if edge[1] is None:
+                edge[1] = {}
+            node = edge[1]
+            continue
+        common = 1  # label[0] == text[pos]
+        while pos + common < end and label[common] == text[pos + common]:
+            common += 1
+        middle = [label[:common], {label[common]: [label[common:], edge[1], edge[2]]}, None]
+        node[text[pos]] = middle
+        if pos + common == end:
+            middle[2] = entry
+        else:
+            middle[1][text[pos + common]] = [text[pos + common:], None, entry]
+        return

@@ -19,6 +19,7 @@ Pure Python (it runs in the browser).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from fractions import Fraction
 
 from ..errors import InputError
@@ -79,23 +80,32 @@ class Literal(Node):
 
 
 class Options(Node):
-    """One of several byte strings (enum, const, true/false); local = the bytes so far."""
-
-    start = b""
+    """One of several byte strings (enum, const, true/false). The options are sorted, so those
+    that begin with the bytes read so far are a run of them: local = (first, end, bytes read),
+    the run ``options[first:end]``. A state costs the same however long the options are."""
 
     def __init__(self, options):
         self.options = tuple(sorted(set(bytes(o) for o in options)))
-        self._prefixes = {o[:n] for o in self.options for n in range(len(o) + 1)}
+        self.start = (0, len(self.options), 0)
 
-    def step(self, prefix, byte):
-        longer = prefix + bytes((byte,))
-        return longer if longer in self._prefixes else None
+    def step(self, local, byte):
+        first, end, at = local
+        options = self.options
 
-    def final(self, prefix):
-        return prefix in self.options
+        def key(option):  # within the run: the option equal to the prefix first, then by byte
+            return option[at] if len(option) > at else -1
 
-    def rest(self, prefix, sizes):
-        return min(len(o) - len(prefix) for o in self.options if o.startswith(prefix))
+        low = bisect_left(options, byte, first, end, key=key)
+        high = bisect_right(options, byte, low, end, key=key)
+        return (low, high, at + 1) if low < high else None
+
+    def final(self, local):
+        first, end, at = local
+        return first < end and len(self.options[first]) == at
+
+    def rest(self, local, sizes):
+        first, end, at = local
+        return min(len(o) for o in self.options[first:end]) - at
 
 
 class Sequence(Node):
@@ -257,29 +267,45 @@ class Number(Node):
         self.integer = integer
         self.int_digits, self.frac_digits = int_digits, 0 if integer else frac_digits
         self.quantum = Fraction(1, 10 ** self.frac_digits)
-        self.low = None if low is None else self._grid_bound(float(low), exclusive_low, upper=False)
-        self.high = None if high is None else self._grid_bound(float(high), exclusive_high, upper=True)
+        self.low = None if low is None else self._grid_bound(low, exclusive_low, upper=False)
+        self.high = None if high is None else self._grid_bound(high, exclusive_high, upper=True)
         self._rests: dict = {}  # text -> fewest bytes that finish it
         self._live: dict = {}  # text -> whether it is a prefix of a number in range
 
-    def _grid_bound(self, bound: float, exclusive: bool, upper: bool) -> Fraction:
+    def _grid_bound(self, bound, exclusive: bool, upper: bool) -> Fraction:
         """The smallest grid value whose float is >= bound (> when exclusive), or for ``upper``
-        the largest whose float is <= bound (<)."""
-        q = self.quantum
+        the largest whose float is <= bound (<). A bound beyond what ``int_digits`` digits can
+        write is clipped to 2·10^int_digits first (the same texts are allowed), so a bound of
+        1e300 or 10**400 costs what a small one does; the threshold is found by galloping and
+        bisection over grid steps (floats are sparse where the grid is fine)."""
+        q, reach = self.quantum, 2 * 10 ** self.int_digits  # beyond every text's float
+        bound = float(max(-reach, min(reach, bound)))  # an int of any size compares exactly
 
-        def inside(m: Fraction) -> bool:
-            value = float(m)
+        def inside(k: int) -> bool:  # whether the grid value k·q satisfies the bound
+            value = float(k * q)
             if upper:
                 return value < bound if exclusive else value <= bound
             return value > bound if exclusive else value >= bound
 
-        sign = -1 if upper else 1
-        m = (Fraction(bound) // q) * q if upper else -((-Fraction(bound)) // q) * q
-        while not inside(m):
-            m += sign * q
-        while inside(m - sign * q):
-            m -= sign * q
-        return m
+        # inside(k) is monotone in k: true below the threshold for an upper bound, above it
+        # for a lower one. Find one k on each side, then bisect.
+        toward = -1 if upper else 1  # the direction in which inside() becomes true
+        k = int(Fraction(bound) // q)
+        step = 1
+        while not inside(k):
+            k += toward * step
+            step *= 2
+        outside, step = k - toward, 1
+        while inside(outside):
+            outside -= toward * step
+            step *= 2
+        while abs(k - outside) > 1:  # inside(k), not inside(outside)
+            middle = (k + outside) // 2
+            if inside(middle):
+                k = middle
+            else:
+                outside = middle
+        return k * q
 
     def _in_range(self, value: Fraction) -> bool:
         return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)

@@ -14,6 +14,12 @@ Anything else raises ``GrammarError``, as does a schema no value satisfies.
 The text is compact JSON (no whitespace) and bounded, so every output ends: strings hold at most
 ``Limits.string`` characters unless maxLength says fewer, arrays ``Limits.items`` items, numbers
 ``Limits.int_digits`` digits before the point and ``Limits.frac_digits`` after it (no exponent).
+
+Compiling is bounded too (docs/api.md, "Limits"): at most ``Limits.nodes`` grammar nodes (a
+type list is read as a set, so ``["array", "array"]`` nested 24 deep is 24 arrays, not 2^24),
+``Limits.depth_limit`` levels of nesting and ``Limits.option_bytes`` bytes of ``enum``/``const``
+text; beyond them the schema is refused with ``GrammarError``. A numeric bound beyond what
+``int_digits`` digits can write (1e300, 10**400) is clipped to 2·10^int_digits: same texts.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..inputs import describe
 from .automaton import (Choice, GrammarError, JsonArray, JsonMap, JsonObject, Literal, Node, Number, Options,
                         Sequence, String)
 
@@ -40,6 +47,9 @@ class Limits:
     int_digits: int = 12
     frac_digits: int = 6
     depth: int = 3  # nesting of a generic JSON value (any_value, {"type": "json_object"})
+    nodes: int = 20_000  # grammar nodes one compilation may build
+    depth_limit: int = 32  # nesting of the schema itself
+    option_bytes: int = 1 << 18  # bytes of enum and const text in one grammar
 
 
 def json_text(value) -> bytes:
@@ -58,8 +68,8 @@ def _is_type(value, kind: str) -> bool:
 def _count(schema: dict, name: str, default: int) -> int:
     value = schema.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-        raise GrammarError(f"schema: {name} must be a non-negative number, got {value!r}")
-    return int(min(value, 1 << 30)) if name.startswith("min") else int(value)
+        raise GrammarError(f"schema: {name} must be a non-negative number, got {describe(value)}")
+    return int(min(value, 1 << 30))  # inf and 10**400 too: no text is that long
 
 
 class SchemaCompiler:
@@ -68,8 +78,11 @@ class SchemaCompiler:
     def __init__(self, limits: Limits = Limits()):
         self.limits = limits
         self.nodes: list = []
+        self.option_bytes = 0
 
     def add(self, node: Node) -> int:
+        if len(self.nodes) >= self.limits.nodes:
+            raise GrammarError(f"schema: compiles to more than {self.limits.nodes} grammar nodes")
         self.nodes.append(node)
         return len(self.nodes) - 1
 
@@ -101,22 +114,24 @@ class SchemaCompiler:
 
     def schema(self, schema, depth: int = 0) -> int:
         """The node of a value matching ``schema``."""
-        if depth > 32:
-            raise GrammarError("schema: nested deeper than 32 levels")
+        if depth > self.limits.depth_limit:
+            raise GrammarError(f"schema: nested deeper than {self.limits.depth_limit} levels")
         if schema is True or schema == {}:
             schema = {}
         if not isinstance(schema, dict):
             raise GrammarError(f"schema: expected an object, got {type(schema).__name__}")
         unknown = sorted(set(schema) - KEYWORDS)
         if unknown:
-            raise GrammarError(f"schema: unsupported keywords {unknown}")
+            raise GrammarError(f"schema: unsupported keywords {describe(unknown, 200)}")
         kinds = schema.get("type", None)
         kinds = list(TYPES[2:]) if kinds is None and not {"properties", "items"} & set(schema) else kinds
         if kinds is None:
             kinds = ["object"] if "properties" in schema else ["array"]
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+        if not isinstance(kinds, (str, list, tuple)) or any(not isinstance(k, str) for k in kinds):
+            raise GrammarError(f"schema: type must be a name or a list of names, got {describe(kinds)}")
+        kinds = list(dict.fromkeys([kinds] if isinstance(kinds, str) else kinds))  # a set, in order
         if not kinds or any(k not in TYPES for k in kinds):
-            raise GrammarError(f"schema: unknown type {schema.get('type')!r}")
+            raise GrammarError(f"schema: unknown type {describe(schema.get('type'))}")
         if "number" in kinds and "integer" in kinds:
             kinds.remove("integer")  # every integer is a number
         for word in ("anyOf", "oneOf"):
@@ -137,9 +152,14 @@ class SchemaCompiler:
             if not values:
                 raise GrammarError("schema: no enum value has the schema's type")
             try:
-                return self.add(Options(json_text(v) for v in values))
-            except (TypeError, ValueError) as exc:
-                raise GrammarError(f"schema: enum value not JSON ({exc})") from None
+                texts = [json_text(v) for v in values]
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise GrammarError(f"schema: enum value not JSON ({type(exc).__name__})") from None
+            self.option_bytes += sum(map(len, texts))
+            if self.option_bytes > self.limits.option_bytes:
+                raise GrammarError(f"schema: enum and const values hold more than "
+                                   f"{self.limits.option_bytes} bytes of JSON")
+            return self.add(Options(texts))
         return self._choice([self._typed(k, schema, depth) for k in kinds])
 
     def _choice(self, children: list) -> int:
@@ -175,7 +195,7 @@ class SchemaCompiler:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise GrammarError(f"schema: {name} must be a number, got {value!r}")
+                raise GrammarError(f"schema: {name} must be a number, got {describe(value)}")
             if abs(value) == float("inf"):
                 continue
             bounds[name] = value
@@ -188,20 +208,21 @@ class SchemaCompiler:
         node = Number(integer, low, high, exclusive_low, exclusive_high, self.limits.int_digits,
                       self.limits.frac_digits)
         if not node.feasible(b""):
-            raise GrammarError(f"schema: no {'integer' if integer else 'number'} in the bounds {bounds}")
+            raise GrammarError(f"schema: no {'integer' if integer else 'number'} in the bounds {describe(bounds, 200)}")
         return self.add(node)
 
     def _object(self, schema: dict, depth: int) -> int:
         properties = schema.get("properties", {})
         required = schema.get("required", [])
-        if not isinstance(properties, dict) or not isinstance(required, list):
-            raise GrammarError("schema: properties must be an object and required a list")
+        if not isinstance(properties, dict) or not isinstance(required, list) \
+                or not all(isinstance(name, str) for name in required):
+            raise GrammarError("schema: properties must be an object and required a list of names")
         extra = schema.get("additionalProperties", False)
         if extra not in (False, True, {}) and not isinstance(extra, dict):
             raise GrammarError("schema: additionalProperties must be a boolean or a schema")
         missing = [name for name in required if name not in properties]
         if missing:
-            raise GrammarError(f"schema: required properties {missing} are not declared")
+            raise GrammarError(f"schema: required properties {describe(missing, 200)} are not declared")
         if not properties and (extra is True or isinstance(extra, dict)):  # a map: any keys, values of the extra schema
             value = self.any_value(max(self.limits.depth - 1, 0)) if extra is True or extra == {} else \
                 self.schema(extra, depth + 1)

@@ -35,6 +35,7 @@ from .. import constants, rope
 from ..errors import ContainerError, InputError, UnsupportedModelError
 from .gguf_weights import GgufWeights
 from .ops import gelu_gated
+from .boundary import raises_container_errors
 
 
 @dataclass(frozen=True)
@@ -365,6 +366,7 @@ class DenseKvCache:
 # ---------------------------------------------------------------------------------- §3 forward
 
 
+@raises_container_errors
 class DenseReference:
     """The §3 forward of one GGUF file, batch 1, with a KV cache.
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...errors import ContainerError
 from . import cq
 from ..ops import F32, rms_unit, softmax
 
@@ -126,7 +127,7 @@ class ProbePool:
 
     def output(self) -> np.ndarray:
         if self.positions == 0 or not np.all(self.denominator > 0):
-            raise ValueError("a probe pool needs at least one kept position")
+            raise ContainerError("a probe pool needs at least one kept position")
         return readout_output(self.numerator / self.denominator[:, :, None], self.head)
 
     def logit(self) -> float:

@@ -29,6 +29,7 @@ from ...models.ladder import full_rung, rung
 from .heads import CONFIDENCE, EMBEDDING, ROUTER, ProbePool, keep_positions, probe_logit, probe_output
 from ..ops import F32, causal_conv, conv_tail, cq_fake_quant, fake_quant, quantize_rows, sigmoid, zc_rms_norm
 from .weights import Needle3Weights, load_weights
+from ..boundary import raises_container_errors
 
 U32_MAX = 0xFFFFFFFF
 PREFILL_CHUNK = 64  # positions per prefill chunk (§5.5.4); results do not depend on it
@@ -54,6 +55,7 @@ def saturate_ids(ids) -> np.ndarray:
     return np.array(values, dtype=np.uint32)
 
 
+@raises_container_errors
 @checked_methods
 class ReferenceModel:
     """Needle 3 in NumPy f32, built from a `.cact` v3 file (a path, bytes or a loaded CactFile).
