@@ -27,8 +27,11 @@ import numpy as np
 
 from .default_model import smollm2_path
 from .formats.dense_archs import ARCHITECTURES, ArchRules
+from .formats.gguf_types import BY_NAME
 
-QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
+# what gguf.quants.quantize writes, then the types of `synth_quants` (rows of whole 256-weight
+# blocks for the K types and IQ4_XS: d, n_ff and n_head · head_dim multiples of 256)
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class SynthDense:
             raise ValueError(f"arch must be one of {tuple(ARCHITECTURES)}, got {self.arch!r}")
         if self.qtype not in QTYPES:
             raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
+        block = BY_NAME[self.qtype].block_size
+        if any(width % block for width in (self.d, self.n_ff, self.n_head * self.head_dim)):
+            raise ValueError(f"{self.qtype} rows hold {block}-weight blocks: d, n_ff and n_head · head_dim must be "
+                             "multiples of it")
         tied = self.tied if self.tied is not None else rules.tied_head
         eps = self.eps if self.eps is not None else rules.rms_eps
         every = rules.sliding_every
@@ -253,6 +260,8 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
+    from .synth_quants import QUANTIZERS
+
     s = spec.resolved()
     path = Path(path)
     writer = GGUFWriter(str(path), s.arch)
@@ -288,6 +297,9 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
             writer.add_tensor(name, value)
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, value.astype(np.float16))
+        elif s.qtype in QUANTIZERS:
+            raw = QUANTIZERS[s.qtype](value.reshape(-1, value.shape[-1]))
+            writer.add_tensor(name, raw.reshape(value.shape[:-1] + (-1,)), raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -57,6 +57,19 @@ def test_synthetic_every_position_matches_the_reference(arch, synthetic, device)
     assert_parity(model, DenseReference(path), prompts)
 
 
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+def test_new_quant_types_every_position_match_the_reference(qtype, tmp_path, device):
+    """A model whose matrices are all of one of the types synth_quants writes (rows of 256
+    weights), uploaded in its file bits (GPU bytes = tensor bytes) and run at every position."""
+    spec = SynthDense(arch="llama", d=256, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, qtype=qtype, seed=3)
+    path = write_dense_gguf(tmp_path / f"{qtype}.gguf", spec, tokenizer="bytes")
+    model = needle_wgpu.load(str(path), device=device)
+    described = model.describe()
+    assert set(described["quant_bytes"]) == {qtype, "F32"}
+    assert described["gpu_weight_bytes"] <= 1.02 * described["tensor_bytes"]
+    assert_parity(model, DenseReference(path), [[i % model.geometry.vocab for i in PROMPTS[0]]])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_decode_after_prefill_equals_prefill(arch, synthetic, device):
     """Greedy ids from prefill + decode steps equal the reference's argmax chain, and each decode
