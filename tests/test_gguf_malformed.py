@@ -206,8 +206,8 @@ CASES = {
                     r"metadata key 'llama.attention.layer_norm_rms_epsilon': nan is out of range"),
     "odd rope dims": (lambda: rebuilt(keys={"llama.rope.dimension_count": (G.UINT32, 7)}), E,
                       r"metadata key 'llama.rope.dimension_count': 7 is odd"),
-    "YaRN scaling": (lambda: rebuilt(keys={"llama.rope.scaling.type": (G.STRING, "yarn")}), U,
-                     r"metadata key 'llama.rope.scaling.type': 'yarn' RoPE scaling is not supported"),
+    "LongRoPE scaling": (lambda: rebuilt(keys={"llama.rope.scaling.type": (G.STRING, "longrope")}), U,
+                         r"metadata key 'llama.rope.scaling.type': 'longrope' RoPE scaling is not supported"),
     "more experts used than exist": (lambda: rebuilt("qwen3moe", keys={"qwen3moe.expert_used_count": (G.UINT32, 5)}),
                                      E, r"metadata key 'qwen3moe.expert_used_count': 5 > expert_count 4"),
     "sigmoid routing": (lambda: rebuilt("qwen3moe", keys={"qwen3moe.expert_gating_func": (G.UINT32, 2)}), U,
@@ -239,8 +239,10 @@ CASES = {
                            U, r"tensor 'blk.0.attn_q.weight': tensor type Q4_0_4_4 \(retired"),
     "F16 norm": (lambda: rebuilt(tensors_fn=replace_tensor("blk.0.ffn_norm.weight", type_name="F16")), U,
                  r"tensor 'blk.0.ffn_norm.weight': a F16 vector"),
-    "a tensor the graph does not use": (lambda: rebuilt(tensors_fn=with_tensor("rope_freqs.weight", (8,))), U,
-                                        r"tensor 'rope_freqs.weight': not part of the llama graph"),
+    "a tensor the graph does not use": (lambda: rebuilt(tensors_fn=with_tensor("rope_factors_long.weight", (8,))), U,
+                                        r"tensor 'rope_factors_long.weight': not part of the llama graph"),
+    "rope_freqs on qwen2": (lambda: rebuilt("qwen2", tensors_fn=with_tensor("rope_freqs.weight", (8,))), U,
+                            r"tensor 'rope_freqs.weight': not part of the qwen2 graph"),
 }
 
 
