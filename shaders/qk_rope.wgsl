@@ -7,8 +7,8 @@
 //          w [qk] shared by the heads (qwen3, gemma3); NORM 2: mean over all of q (or k),
 //          w [HEADS·qk] ([KV_HEADS·qk]) (OLMoE). v is never normed.
 //   RoPE   q, k: pairs (x_2j, x_2j+1) (ROPE 1, adjacent: llama GGUFs) or (x_j, x_j+R/2) (ROPE 2,
-//          NeoX), j < R/2 = ROPE_HALF, angle = f32(p)·f_j, (a, b) <- (a·c - b·s, a·s + b·c);
-//          dims >= R are not rotated
+//          NeoX), j < R/2 = ROPE_HALF, angle = f32(p)·f_j, c, s = m·cos, m·sin (m = rope_mscale),
+//          (a, b) <- (a·c - b·s, a·s + b·c); dims >= R are not rotated
 //   out    q heads into q_out [T][q_stride]; K and V heads into cache slot p mod cache_slots:
 //          rows [slots][KV][K_ROW] of words at k_at, [slots][KV][V_ROW] at v_at. KV_MODE 0: f32
 //          bits (as qkv_post). KV_MODE 2: two halves per word (element e in the low half of word
@@ -41,7 +41,7 @@ struct Params {
   k_bias_at: u32,
   v_bias_at: u32,
   eps: f32,
-  _pad0: u32,
+  rope_mscale: f32,  // RoPE magnitude m (YaRN / LongRoPE attention factor; 1 otherwise)
   _pad1: u32,
   freqs: array<vec4<f32>, 32>,  // RoPE inverse frequencies f_j, j < ROPE_HALF
 }
@@ -154,7 +154,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
   workgroupBarrier();
   if (ROPE != 0u && kind < 2u) {
     for (var j = lid; j < ROPE_HALF; j += THREADS) {
-      let cs = rope_cos_sin(angle[j]);
+      let cs = rope_cos_sin(angle[j]) * params.rope_mscale;  // (m·c, m·s), as llama.cpp scales them
       var a = j;
       var b = j + ROPE_HALF;
       if (ROPE == 1u) {

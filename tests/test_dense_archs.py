@@ -40,6 +40,8 @@ def shared_facts(engine: dense_archs.ArchRules, ref: reference.ArchRules) -> dic
         "sliding_every": (engine.sliding_every, ref.sliding_every),
         "local_rope_base": (engine.local_rope_base, ref.local_rope_base),
         "d_query_scale_layers": (engine.d_query_scale_layers, ref.d_query_scale_layers),
+        "rope_factor_tensors": (engine.rope_factor_tensors, ref.rope_factor_tensors),
+        "fused": (engine.fused_qkv and engine.fused_gate_up, ref.fused),
     }
 
 

@@ -54,7 +54,15 @@ SYNTH = {
     "olmoe": (SynthDense(arch="olmoe"), "bytes"),
     "gemma3": (SynthDense(arch="gemma3", n_layers=7, head_dim=32, rope_base=1e6, rope_scaling=8.0,
                           sliding_window=4), "bytes"),
+    # RoPE variants (llama.cpp's rope_yarn): Llama 3's rope_freqs over all three bands; YaRN x4
+    # from an original context of 64 (its ramp spans pairs 0..3 of 8) with an attention factor.
+    "llama3": (SynthDense(arch="llama", rope_freqs=True, rope_base=5e5), "bytes"),
+    "yarn": (SynthDense(arch="qwen2", rope_scaling=4.0, rope_scaling_type="yarn", rope_orig_context=64,
+                        rope_attn_factor=1.1), "bytes"),
 }
+# the engine's session context in the llama.cpp comparisons: llama.cpp's (a LongRoPE file picks
+# its factors by it)
+ORACLE_CONTEXT = 256
 # KL(llama.cpp || reference) bounds. llama.cpp's CPU backend multiplies quantised weights by
 # activations rounded to 8 bits (Q8_0 / Q8_1 blocks); that, not the graph, is the gap: on F32
 # copies of the same files (no activation rounding) the KL is ~1e-11 (KL_F32 leaves room for f32

@@ -20,7 +20,8 @@ from needle_wgpu.formats import gguf as G
 from needle_wgpu.formats.gguf import GgufFile, open_gguf
 from needle_wgpu.formats.gguf_types import GGML_TYPES, SUPPORTED, ggml_type, require_supported
 
-ENGINE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+ENGINE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+                "IQ4_NL", "IQ4_XS")
 
 # One scalar of every fixed-size type, and an array of each with values at the type's edges.
 SCALARS = [

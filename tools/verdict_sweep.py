@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from needle_wgpu import verdict  # noqa: E402
 
-PLAIN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+PLAIN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")  # synth_gguf writes these
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 UNBOUNDED = verdict.Thresholds(math.inf, math.inf)  # collect; classify afterwards
 

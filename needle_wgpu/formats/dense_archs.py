@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROPE_SCALINGS = ("none", "linear")  # yarn, longrope, ... need kernels this engine lacks
+ROPE_SCALINGS = ("none", "linear", "yarn")  # the rope.scaling.type values every row accepts
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,14 @@ class ArchRules:
     d_query_scale_layers: int = 0     # a model of exactly this many layers scales queries by
                                       # 1/sqrt(d / n_head), not 1/sqrt(key_length) (Gemma 3 27B, §3)
     rope_scalings: tuple = ROPE_SCALINGS  # the rope.scaling.type values accepted
+    rope_factor_tensors: tuple = ()   # model-wide [rope_dims / 2] frequency-factor tensors read when
+                                      # present: ("rope_freqs",) Llama 3; (long, short) LongRoPE (phi3)
+    fused_qkv: bool = False           # blk.N.attn_qkv [q | k | v] instead of attn_q/k/v (phi3)
+    fused_gate_up: bool = False       # blk.N.ffn_up holds [gate | up] and there is no ffn_gate (phi3)
 
 
 ARCHITECTURES = {
-    "llama": ArchRules(rope_style="adjacent", qkv_bias="optional", rms_eps=1e-5),
+    "llama": ArchRules(rope_style="adjacent", qkv_bias="optional", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",)),
     "qwen2": ArchRules(qkv_bias="required", output_bias=True, tied_head=False),
     "qwen3": ArchRules(qk_norm="head"),
     "qwen3moe": ArchRules(qk_norm="head", moe=True, expert_width_key="expert_feed_forward_length",

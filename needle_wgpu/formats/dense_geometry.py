@@ -12,9 +12,11 @@ shared experts, ...) means a feature this engine does not implement and is refus
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from ..errors import ContainerError, UnsupportedModelError
+from ..rope import rope_magnitude, scaled_frequencies
 from .dense_archs import ARCHITECTURES, ArchRules
 from .gguf import ARRAY, REQUIRED, STRING, GgufFile
 from .gguf_types import require_supported
@@ -52,6 +54,11 @@ class DenseGeometry:
     num_experts: int = 0
     num_experts_used: int = 0
     sliding_window: int = 0  # gemma3 sliding layers; 0 = every layer sees the whole past
+    rope_scaling: str = "linear"  # rope.scaling.type: none, linear, yarn, longrope
+    rope_orig_context: int = 0  # rope.scaling.original_context_length (0: context_length)
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
+    yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier
+    rope_factors: tuple = ()  # ((tensor stem, f32 values), ...) of the row's frequency-factor tensors
 
     # ------------------------------------------------------------------ derived (§1, §3)
     @property
@@ -124,12 +131,47 @@ class DenseGeometry:
             return self.rope_base, self.rope_freq_scale
         return self.rules.local_rope_base, 1.0
 
+    @property
+    def yarn_orig_context(self) -> int:
+        """llama.cpp's n_ctx_orig_yarn: rope.scaling.original_context_length, else context_length."""
+        return self.rope_orig_context or self.context_length
+
+    def frequency_factors(self, context: int):
+        """The divisors of the RoPE frequencies for a session of ``context`` positions, or None:
+        rope_freqs (Llama 3), else LongRoPE's long factors when the context exceeds the original
+        one and its short ones otherwise (llama.cpp's get_rope_factors; it compares its context
+        rounded up to 256, which is the same for original contexts that are multiples of 256)."""
+        values = dict(self.rope_factors)
+        if "rope_freqs" in values:
+            return values["rope_freqs"]
+        if not values:
+            return None
+        return values["rope_factors_long" if context > self.yarn_orig_context else "rope_factors_short"]
+
+    def rope_variant(self, layer: int, context: int) -> tuple:
+        """(f32 frequency table, or None for the plain base/scale one; cos/sin magnitude) of one
+        layer in a session of ``context`` positions: llama.cpp's ggml_rope_ext arguments folded
+        into one frequency per pair (``rope.scaled_frequencies``, ``rope.rope_magnitude``)."""
+        if not self.is_global(layer):
+            return None, 1.0  # gemma3's sliding layers: the local base, unscaled
+        factors = self.frequency_factors(context)
+        ext_factor = 1.0 if self.rope_scaling == "yarn" else 0.0
+        magnitude = rope_magnitude(self.rope_freq_scale, ext_factor, self.rope_attn_factor, self.yarn_log_mul)
+        if factors is None and not ext_factor:
+            return None, magnitude
+        table = scaled_frequencies(self.rope_dims, self.rope_base, freq_scale=self.rope_freq_scale, factors=factors,
+                                   ext_factor=ext_factor, orig_context=self.yarn_orig_context)
+        return table, magnitude
+
     # ------------------------------------------------------------------ tensors (§2)
     def layer_tensors(self, layer: int) -> list:
         """(name, ne) of every tensor of one layer, ne in ggml order (ne[0] = input width)."""
         d, ff, n_exp = self.d_model, self.ff_dim, self.num_experts
-        out = [("attn_norm", (d,)), ("attn_q", (d, self.q_dim)), ("attn_k", (d, self.k_dim)),
-               ("attn_v", (d, self.v_dim)), ("attn_output", (self.attn_out, d)), ("ffn_norm", (d,))]
+        if self.rules.fused_qkv:
+            projections = [("attn_qkv", (d, self.q_dim + self.k_dim + self.v_dim))]
+        else:
+            projections = [("attn_q", (d, self.q_dim)), ("attn_k", (d, self.k_dim)), ("attn_v", (d, self.v_dim))]
+        out = [("attn_norm", (d,)), *projections, ("attn_output", (self.attn_out, d)), ("ffn_norm", (d,))]
         if self.qkv_bias:
             out += [("attn_q.bias", (self.q_dim,)), ("attn_k.bias", (self.k_dim,)),
                     ("attn_v.bias", (self.v_dim,))]
@@ -142,6 +184,8 @@ class DenseGeometry:
         if self.is_moe:
             out += [("ffn_gate_inp", (d, n_exp)), ("ffn_gate_exps", (d, ff, n_exp)),
                     ("ffn_up_exps", (d, ff, n_exp)), ("ffn_down_exps", (ff, d, n_exp))]
+        elif self.rules.fused_gate_up:
+            out += [("ffn_up", (d, 2 * ff)), ("ffn_down", (ff, d))]
         else:
             out += [("ffn_gate", (d, ff)), ("ffn_up", (d, ff)), ("ffn_down", (ff, d))]
         return [(f"blk.{layer}.{name}" + ("" if name.endswith(".bias") else ".weight"), ne)
@@ -159,6 +203,7 @@ class DenseGeometry:
             out.append(("output.weight", (self.d_model, self.vocab)))
         if self.output_bias:
             out.append(("output.bias", (self.vocab,)))
+        out += [(f"{stem}.weight", (self.rope_dims // 2,)) for stem, _ in self.rope_factors]
         yield out
         for layer in range(self.num_layers):
             yield self.layer_tensors(layer)
@@ -183,6 +228,7 @@ class DenseGeometry:
                  f"missing, and embedding_length {d} is not a multiple of head_count {num_heads}")
         key_dim = _count(f, key("attention.key_length"), default=d // num_heads)
         ff_dim = _count(f, key("feed_forward_length"))
+        rope_dims = _count(f, key("rope.dimension_count"), default=key_dim)
         experts = used = 0
         if rules.moe:
             experts = _count(f, key("expert_count"), hi=MAX_EXPERTS)
@@ -213,7 +259,7 @@ class DenseGeometry:
             ff_dim=ff_dim, num_heads=num_heads,
             num_kv_heads=_count(f, key("attention.head_count_kv"), default=num_heads),
             key_dim=key_dim, value_dim=_count(f, key("attention.value_length"), default=key_dim),
-            rope_dims=_count(f, key("rope.dimension_count"), default=key_dim),
+            rope_dims=rope_dims,
             rope_base=_real(f, key("rope.freq_base"), 10000.0, 1.0, 1e12),
             rope_freq_scale=_rope_freq_scale(f, arch, rules.rope_scalings),
             rms_eps=_real(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-12, 1.0),
@@ -225,6 +271,13 @@ class DenseGeometry:
             num_experts=experts, num_experts_used=used,
             sliding_window=_count(f, key("attention.sliding_window"), hi=MAX_CONTEXT)
             if rules.sliding_every else 0,
+            rope_scaling=f.get_str(key("rope.scaling.type"), "linear"),
+            rope_orig_context=_count(f, key("rope.scaling.original_context_length"), hi=MAX_CONTEXT, default=0)
+            if key("rope.scaling.original_context_length") in f.fields else 0,
+            rope_attn_factor=_real(f, key("rope.scaling.attn_factor"), 1.0, 1e-3, 1e3),
+            yarn_log_mul=_real(f, key("rope.scaling.yarn_log_multiplier"), 0.0, 0.0, 1e3),
+            rope_factors=tuple((stem, _factors(f, f"{stem}.weight", rope_dims)) for stem in rules.rope_factor_tensors
+                               if f"{stem}.weight" in f),
         )
         geometry._validate(key)
         geometry._check_tensors(f)
@@ -237,6 +290,16 @@ class DenseGeometry:
         if self.rope_dims % 2 or self.rope_dims > self.key_dim:
             _bad(f"metadata key {key('rope.dimension_count')!r}",
                  f"{self.rope_dims} is odd or wider than the head ({self.key_dim})")
+        if self.rules.fused_qkv and self.q_dim != self.d_model:
+            _bad(f"metadata key {key('attention.head_count')!r}",
+                 f"a fused attn_qkv needs head_count · key_length = embedding_length ({self.q_dim} != {self.d_model})")
+        stems = {stem for stem, _ in self.rope_factors}
+        if self.rope_scaling == "longrope" and not stems >= {"rope_factors_long", "rope_factors_short"}:
+            raise UnsupportedModelError(f"metadata key {key('rope.scaling.type')!r}: 'longrope' without the "
+                                        "rope_factors_long / rope_factors_short tensors")
+        if stems and {"rope_factors_long", "rope_factors_short"} & stems and \
+                stems != {"rope_factors_long", "rope_factors_short"}:
+            _bad("tensor 'rope_factors_long.weight'", "LongRoPE needs both the long and the short factors")
         if self.num_experts_used > self.num_experts:
             _bad(f"metadata key {key('expert_used_count')!r}",
                  f"{self.num_experts_used} > expert_count {self.num_experts}")
@@ -269,6 +332,18 @@ def _count(f: GgufFile, key: str, lo: int = 1, hi: int = MAX_DIM, default=REQUIR
     if not lo <= value <= hi:
         _bad(f"metadata key {key!r}", f"{value} is out of range ({lo}..{hi})")
     return value
+
+
+def _factors(f: GgufFile, name: str, rope_dims: int) -> tuple:
+    """The f32 values of a [rope_dims / 2] frequency-factor tensor (shape and type are checked
+    with the other tensors; here the values: positive and finite, as divisors)."""
+    t = f[name]
+    if t.type.name != "F32" or t.ne != (rope_dims // 2,):
+        _bad(f"tensor {name!r}", f"expected F32 [{rope_dims // 2}], got {t.type.name} {list(t.ne)}")
+    values = struct.unpack(f"<{rope_dims // 2}f", bytes(t.data))
+    if not all(0.0 < v < math.inf for v in values):
+        _bad(f"tensor {name!r}", "frequency factors must be positive and finite")
+    return values
 
 
 def _real(f: GgufFile, key: str, default: float, lo: float, hi: float) -> float:

@@ -1,7 +1,7 @@
 """The GGML tensor types a GGUF file may name: one table (spec §4.1). Pure Python.
 
 Each type stores ``block_size`` weights in ``type_size`` bytes; a tensor of n weights in a row
-holds n / block_size blocks per row. The ids are ggml's ``enum ggml_type``. The eleven types the
+holds n / block_size blocks per row. The ids are ggml's ``enum ggml_type``. The fifteen types the
 engine serves are marked ``supported``; the others are known so that a file using one is read
 correctly and refused by name, and an id outside the table is a corrupt file.
 """
@@ -42,8 +42,8 @@ GGML_TYPES = {t.id: t for t in (
     _t(7, "Q5_1", 32, 24, True),
     _t(8, "Q8_0", 32, 34, True),
     _t(9, "Q8_1", 32, 40),
-    _t(10, "Q2_K", 256, 84),
-    _t(11, "Q3_K", 256, 110),
+    _t(10, "Q2_K", 256, 84, True),
+    _t(11, "Q3_K", 256, 110, True),
     _t(12, "Q4_K", 256, 144, True),
     _t(13, "Q5_K", 256, 176, True),
     _t(14, "Q6_K", 256, 210, True),
@@ -52,10 +52,10 @@ GGML_TYPES = {t.id: t for t in (
     _t(17, "IQ2_XS", 256, 74),
     _t(18, "IQ3_XXS", 256, 98),
     _t(19, "IQ1_S", 256, 50),
-    _t(20, "IQ4_NL", 32, 18),
+    _t(20, "IQ4_NL", 32, 18, True),
     _t(21, "IQ3_S", 256, 110),
     _t(22, "IQ2_S", 256, 82),
-    _t(23, "IQ4_XS", 256, 136),
+    _t(23, "IQ4_XS", 256, 136, True),
     _t(24, "I8", 1, 1),
     _t(25, "I16", 1, 2),
     _t(26, "I32", 1, 4),

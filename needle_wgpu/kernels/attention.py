@@ -46,7 +46,9 @@ class AttentionShape:
     - ``rope``: "neox" pairs (x_j, x_{j+R/2}), "adjacent" pairs (x_{2j}, x_{2j+1}) (llama
       GGUFs), "none"; R = ``rotary_dims`` (None: qk_dim), dims >= R are not rotated;
       f_j = ``constants.rope_frequencies(R, rope_base, rope_scale)`` (``rope_scale``: linear
-      scaling, 1 / rope.scaling.factor).
+      scaling, 1 / rope.scaling.factor), or ``rope_table`` when the family computed them on the
+      host (Llama 3 frequency factors, YaRN, LongRoPE: ``rope.scaled_frequencies``); the
+      rotated pairs are scaled by ``rope_mscale`` (YaRN / LongRoPE's attention factor).
     - ``scale``: the score scale (f32); None: 1/sqrt(qk_dim).
     - ``norm`` of q and k: "zc" (Needle 3: (1 + s)·x / sqrt(mean(x²) + eps), one [qk] vector
       shared by the heads), "head" (x·w / rms per head, [qk] weights: qwen3, gemma3), "full"
@@ -64,6 +66,8 @@ class AttentionShape:
     rotary_dims: int | None = None
     rope_base: float = 10000.0
     rope_scale: float = 1.0
+    rope_table: tuple | None = None  # the f32 frequencies themselves (Llama 3 / YaRN / LongRoPE)
+    rope_mscale: float = 1.0
     scale: float | None = None
     norm: str = "none"
     eps: float = 1e-6
@@ -110,7 +114,12 @@ class AttentionShape:
 
     def frequencies(self) -> list:
         """The RoPE inverse frequencies, padded to the Params struct's MAX_FREQS."""
-        freqs = list(rope_frequencies(self.rope_dims, self.rope_base, self.rope_scale))
+        if self.rope_table is not None:
+            freqs = list(self.rope_table)
+            if len(freqs) != self.rope_dims // 2:
+                raise ValueError(f"AttentionShape: {len(freqs)} RoPE frequencies for {self.rope_dims} rotated dims")
+        else:
+            freqs = list(rope_frequencies(self.rope_dims, self.rope_base, self.rope_scale))
         return freqs + [0.0] * (MAX_FREQS - len(freqs))
 
     def check(self) -> None:
@@ -409,6 +418,6 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
         key, qkv_stride=qkv_stride or sh.q_width + sh.k_width + sh.v_width, q_offset=q_offset, k_offset=k_offset,
         v_offset=v_offset, q_stride=q_stride or sh.q_width, cache_slots=cache.slots, k_at=cache.k_at,
         v_at=cache.v_at, q_norm_at=q_norm_at, k_norm_at=k_norm_at, q_bias_at=q_bias_at, k_bias_at=k_bias_at,
-        v_bias_at=v_bias_at, eps=float(sh.eps), freqs=sh.frequencies())
+        v_bias_at=v_bias_at, eps=float(sh.eps), rope_mscale=float(sh.rope_mscale), freqs=sh.frequencies())
     bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer]
     plan.add(key, bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)

@@ -1,8 +1,9 @@
 """GGUF weights on the GPU (dense-gguf spec §4, §8): quantised packs, dequant-matmul, row gather.
 
 Weights keep the file's quantised bits (§4.3): the single f16 of an unaligned block type (Q4_0,
-Q5_0, Q8_0, Q6_K) moves to a side plane of f16 pairs, every other byte stays as u32 words in
-GGUF row-major block order; the other types are uploaded as stored. Tensors above the binding
+Q5_0, Q8_0, Q6_K, Q3_K, IQ4_NL) moves to a side plane of f16 pairs, every other byte stays as u32
+words in GGUF row-major block order; the other types (Q2_K and IQ4_XS blocks are whole words) are
+uploaded as stored. Tensors above the binding
 limit are split by whole rows (§4.4, ``packs.split_rows``).
 
 Ops (plain functions over a Plan, as for CQ):
@@ -31,7 +32,7 @@ class QType:
     ``weights``/``nbytes``: a GGUF block. On the GPU a block is ``gpu_weights`` weights in
     ``words`` u32 words of the word plane (float types: one quad of 4 weights), plus one f16 in
     the side plane when ``side_half`` is not None (the f16's index among the block's halves).
-    A block's weights share a scale by sub-blocks of ``sub_weights`` (K-quants: 32, Q6_K: 16).
+    A block's weights share a scale by sub-blocks of ``sub_weights`` (K-quants: 32; Q6_K, Q3_K, Q2_K: 16).
     """
 
     name: str
@@ -73,6 +74,10 @@ QTYPES = {t.name: t for t in (
     _gpu_layout("Q4_K", 36),
     _gpu_layout("Q5_K", 44),
     _gpu_layout("Q6_K", 52, side_half=104, sub_weights=16),
+    _gpu_layout("Q2_K", 21, sub_weights=16),
+    _gpu_layout("Q3_K", 27, side_half=54, sub_weights=16),
+    _gpu_layout("IQ4_NL", 4, side_half=0),
+    _gpu_layout("IQ4_XS", 34),
 )}
 QTYPE_BY_ID = {t.ggml: t for t in QTYPES.values()}
 
@@ -114,8 +119,8 @@ def repack(qtype, raw) -> tuple:
     """(word plane, side plane or None) of whole blocks of GGUF bytes, per §4.3.
 
     Types without a side plane come back as they are (a memoryview, no copy). For Q4_0, Q5_0,
-    Q8_0 and Q6_K the block's f16 scale goes to the side plane (block b at byte 2b) and its other
-    halves, in order, to the word plane. Extended slices over 16-bit views: one C-speed copy per
+    Q8_0, Q6_K, Q3_K and IQ4_NL the block's f16 scale goes to the side plane (block b at byte 2b)
+    and its other halves, in order, to the word plane. Extended slices over 16-bit views: one C-speed copy per
     half of a block (Q8_0 49152 x 576, 28 MiB: ~0.15 s in CPython), no per-block Python loop.
     """
     t = qtype_of(qtype)

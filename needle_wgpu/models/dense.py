@@ -116,12 +116,16 @@ def kv_bytes(g: DenseGeometry, context: int, mode: str = "f32") -> int:
     return total // 2 if mode == "f16" else total
 
 
-def attention_shape(g: DenseGeometry, layer: int) -> attention_ops.AttentionShape:
+def attention_shape(g: DenseGeometry, layer: int, context: int | None = None) -> attention_ops.AttentionShape:
+    """One layer's attention for a session of ``context`` positions (LongRoPE's factors depend
+    on it; None: the default context)."""
     base, scale = g.rope(layer)
+    table, magnitude = g.rope_variant(layer, default_context(g) if context is None else context)
     return attention_ops.AttentionShape(
         heads=g.num_heads, kv_heads=g.num_kv_heads, qk_dim=g.key_dim, v_dim=g.value_dim,
         window=None if g.is_global(layer) else g.sliding_window, rope="neox" if g.rope_neox else "adjacent",
-        rotary_dims=g.rope_dims, rope_base=base, rope_scale=scale, scale=f32(g.attention_scale),
+        rotary_dims=g.rope_dims, rope_base=base, rope_scale=scale, rope_table=table, rope_mscale=magnitude,
+        scale=f32(g.attention_scale),
         norm=g.qk_norm or "none", eps=g.rms_eps,
         bias=g.qkv_bias)
 
@@ -168,12 +172,14 @@ class DenseGpu:
         for i in range(g.num_layers):
             report("upload", i, g.num_layers)
             names = lambda *parts: [f"blk.{i}.{part}.weight" for part in parts]
-            weights = {"qkv": self._upload_stacked(names("attn_q", "attn_k", "attn_v")),
-                       "out": self._upload(f"blk.{i}.attn_output.weight")}
+            # fused files (phi3) hold q | k | v and gate | up in one tensor: the same rows stacked
+            qkv = names("attn_qkv") if g.rules.fused_qkv else names("attn_q", "attn_k", "attn_v")
+            weights = {"qkv": self._upload_stacked(qkv), "out": self._upload(f"blk.{i}.attn_output.weight")}
             if g.is_moe:
                 weights.update({name: self._upload(f"blk.{i}.{name}.weight") for name in MOE_FFN})
             else:
-                weights.update(gate_up=self._upload_stacked(names("ffn_gate", "ffn_up")),
+                gate_up = names("ffn_up") if g.rules.fused_gate_up else names("ffn_gate", "ffn_up")
+                weights.update(gate_up=self._upload_stacked(gate_up),
                                down=self._upload(f"blk.{i}.ffn_down.weight"))
             self.layers.append(weights)
         self.weight_bytes = device.counters.bytes_allocated.get("weights", 0) - weights_before
@@ -240,7 +246,8 @@ class DenseSession(ChunkedSession):
         g = model.geometry
         self.model = model
         self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
-        self.rewindable = all(shape.window is None for shape in model.shapes)  # a ring forgets keys
+        self.shapes = [attention_shape(g, layer, self.context) for layer in range(g.num_layers)]
+        self.rewindable = all(shape.window is None for shape in self.shapes)  # a ring forgets keys
         mode = "f32" if kv is None else str(kv).lower()
         if mode not in KV_MODES:
             raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")
@@ -264,7 +271,7 @@ class DenseSession(ChunkedSession):
             self.routes = dev.buffer(moe_ops.routes_bytes(T, routed), label="routes", kind="scratch")
         self.logits = s(g.head_rows, "logits")
         self.caches = [attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
-                       for i, shape in enumerate(model.shapes)]
+                       for i, shape in enumerate(self.shapes)]
 
     def _build(self, key: PlanKey) -> Plan:
         m, g, dev = self.model, self.model.geometry, self.device
@@ -292,7 +299,7 @@ class DenseSession(ChunkedSession):
             for pack, row in w["qkv"]:
                 qmatmul.q_matmul(plan, arena, pack, self.h, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
                                  y_offset=row)
-            shape, vectors = m.shapes[layer], {}
+            shape, vectors = self.shapes[layer], {}
             if shape.norm != "none":
                 vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
                                k_norm_at=m.vector(name("attn_k_norm.weight")))

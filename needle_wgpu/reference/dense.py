@@ -54,10 +54,13 @@ class ArchRules:
     sliding_every: int = 0           # n > 0: layer il is global when il % n == n − 1, else sliding
     local_rope_base: float = 0.0     # the sliding layers' RoPE base (not in the file; §1)
     d_query_scale_layers: int = 0    # n > 0: a model of n layers scales queries by 1/sqrt(d / n_head)
+    rope_factor_tensors: tuple = ()  # frequency-factor tensors read when present: rope_freqs (Llama 3,
+                                     # llama.cpp's llama.cpp graph) or LongRoPE's long / short pair (phi3)
+    fused: bool = False              # phi3: attn_qkv rows [q | k | v], ffn_up rows [gate | up]
 
 
 ARCHITECTURES = {
-    "llama": ArchRules(rope.ADJACENT),
+    "llama": ArchRules(rope.ADJACENT, rope_factor_tensors=("rope_freqs",)),
     "qwen2": ArchRules(rope.NEOX, qkv_bias=True),
     "qwen3": ArchRules(rope.NEOX, qk_norm="head"),
     "qwen3moe": ArchRules(rope.NEOX, qk_norm="head", ffn="moe", renormalise=True,
@@ -96,6 +99,10 @@ class DenseConfig:
     n_expert_used: int = 0  # expert_used_count (top-k)
     rope_scale: float = 1.0     # linear RoPE scaling, 1 / rope.scaling.factor (gemma3: global layers only)
     sliding_window: int = 0     # attention.sliding_window of the sliding layers (gemma3)
+    rope_kind: str = "linear"   # rope.scaling.type
+    rope_orig_context: int = 0  # rope.scaling.original_context_length, else the context length
+    rope_attn_factor: float = 1.0
+    yarn_log_mul: float = 0.0
 
     @property
     def rules(self) -> ArchRules:
@@ -132,7 +139,8 @@ class DenseConfig:
         def bad(message):
             raise ContainerError(f"{w.path.name}: {message}")
 
-        for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight"):
+        fused = ARCHITECTURES[arch].fused
+        for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_qkv.weight" if fused else "blk.0.attn_q.weight"):
             if not w.has(name):
                 bad(f"tensor {name} is missing")
         n_layers = int(key("block_count"))
@@ -141,9 +149,13 @@ class DenseConfig:
         vocab_rows, d = w.shape("token_embd.weight")
         if int(key("embedding_length", d)) != d:
             bad(f"embedding_length {key('embedding_length')} != embedding width {d}")
-        q_rows = w.shape("blk.0.attn_q.weight")[0]
-        k_rows = w.shape("blk.0.attn_k.weight")[0]
-        v_rows = w.shape("blk.0.attn_v.weight")[0]
+        if fused:  # phi3: q is d wide, k and v share the rest
+            q_rows = d
+            k_rows = v_rows = (w.shape("blk.0.attn_qkv.weight")[0] - d) // 2
+        else:
+            q_rows = w.shape("blk.0.attn_q.weight")[0]
+            k_rows = w.shape("blk.0.attn_k.weight")[0]
+            v_rows = w.shape("blk.0.attn_v.weight")[0]
         head_dim = int(key("attention.key_length", q_rows // n_head))
         value_dim = int(key("attention.value_length", v_rows // n_head_kv))
         if n_head % n_head_kv or q_rows != n_head * head_dim or k_rows != n_head_kv * head_dim \
@@ -151,7 +163,8 @@ class DenseConfig:
             bad(f"q/k/v widths {q_rows}/{k_rows}/{v_rows} do not fit {n_head}/{n_head_kv} heads of "
                 f"{head_dim}/{value_dim}")
         experts = _moe_experts(w, arch, key, bad) if ARCHITECTURES[arch].ffn == "moe" else (0, 0, 0)
-        n_ff = experts[2] if experts[0] else w.shape("blk.0.ffn_gate.weight")[0]
+        n_ff = experts[2] if experts[0] else w.shape("blk.0.ffn_up.weight")[0] // 2 if fused \
+            else w.shape("blk.0.ffn_gate.weight")[0]
         if not experts[0] and int(key("feed_forward_length", n_ff)) != n_ff:
             bad(f"feed_forward_length {key('feed_forward_length')} != ffn_gate rows {n_ff}")
         rope_dims = int(key("rope.dimension_count", head_dim))
@@ -168,7 +181,11 @@ class DenseConfig:
                    tied=not w.has("output.weight"), n_expert=experts[0], n_expert_used=experts[1],
                    rope_scale=_rope_scale(w, arch),
                    sliding_window=int(key("attention.sliding_window", 0)) if ARCHITECTURES[arch].sliding_every
-                   else 0)
+                   else 0,
+                   rope_kind=str(key("rope.scaling.type", "linear")),
+                   rope_orig_context=int(key("rope.scaling.original_context_length", 0)),
+                   rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
+                   yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)))
 
 
 def _moe_experts(w: GgufWeights, arch: str, key, bad) -> tuple[int, int, int]:
@@ -190,7 +207,7 @@ def _rope_scale(w: GgufWeights, arch: str) -> float:
     """1 / factor of linear RoPE scaling, as llama.cpp reads it: rope.scale_linear, else
     rope.scaling.factor (absent or 0: none). Other scaling types are not part of this graph."""
     kind = w.value(f"{arch}.rope.scaling.type", "linear")
-    if kind not in ("none", "linear"):
+    if kind not in ("none", "linear", "yarn", "longrope"):
         raise UnsupportedModelError(f"{w.path.name}: {kind!r} RoPE scaling is not supported")
     factor = w.value(f"{arch}.rope.scale_linear", w.value(f"{arch}.rope.scaling.factor", 0.0))
     return 1.0 if not factor else 1.0 / float(factor)
@@ -374,15 +391,17 @@ class DenseReference:
     with one id) and returns the logits of the last position, of every position, or none.
     """
 
-    def __init__(self, source: str | Path | GgufWeights, dtype=np.float32):
+    def __init__(self, source: str | Path | GgufWeights, dtype=np.float32, context: int | None = None):
         self.weights = source if isinstance(source, GgufWeights) else GgufWeights(source)
         self.config = DenseConfig.from_weights(self.weights)
+        # the session length LongRoPE's long/short choice compares (None: the file's context_length)
+        self.context = self.config.context if context is None else int(context)
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
         exact = self.dtype == np.float64
         self._round = not exact  # f32: RoPE tables rounded once to f32, as the GPU uses them
-        self._rope: dict[tuple[float, float, int], tuple[list, list]] = {}  # (base, scale, pos)
+        self._rope: dict[tuple, tuple[list, list]] = {}  # (rope key, pos)
         self._layers: dict[int, LayerWeights] = {}
         if self.config.rules.qkv_bias and not self.weights.has("blk.0.attn_q.bias"):
             raise ContainerError(f"{self.weights.path.name}: {self.config.arch} needs attn_q/k/v biases")
@@ -403,11 +422,20 @@ class DenseReference:
         def opt(name):
             return self._cast(w.optional(f"blk.{i}.{name}"))
 
-        p = LayerWeights(attn_norm=t("attn_norm.weight"), wq=t("attn_q.weight"), wk=t("attn_k.weight"),
-                         wv=t("attn_v.weight"), bq=opt("attn_q.bias"), bk=opt("attn_k.bias"),
+        cfg = self.config
+        if cfg.rules.fused:  # phi3: one q | k | v matrix, one gate | up matrix
+            qkv, kv = t("attn_qkv.weight"), cfg.n_head_kv * cfg.head_dim
+            wq, wk, wv = qkv[:cfg.d], qkv[cfg.d:cfg.d + kv], qkv[cfg.d + kv:]
+            gate_up = t("ffn_up.weight")
+            gate, up = gate_up[:cfg.n_ff], gate_up[cfg.n_ff:]
+        else:
+            wq, wk, wv = t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")
+            gate, up = opt("ffn_gate.weight"), opt("ffn_up.weight")
+        p = LayerWeights(attn_norm=t("attn_norm.weight"), wq=wq, wk=wk,
+                         wv=wv, bq=opt("attn_q.bias"), bk=opt("attn_k.bias"),
                          bv=opt("attn_v.bias"), wo=t("attn_output.weight"), bo=opt("attn_output.bias"),
                          q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
-                         ffn_norm=t("ffn_norm.weight"), gate=opt("ffn_gate.weight"), up=opt("ffn_up.weight"),
+                         ffn_norm=t("ffn_norm.weight"), gate=gate, up=up,
                          down=opt("ffn_down.weight"), post_attention_norm=opt("post_attention_norm.weight"),
                          post_ffw_norm=opt("post_ffw_norm.weight"))
         if self.config.rules.ffn == "moe":
@@ -436,14 +464,68 @@ class DenseReference:
             return list(constants.rope_frequencies(self.config.rope_dims, float(base), scale))
         return [f * scale for f in rope.rope_frequencies(self.config.rope_dims, base, round_to_f32=False)]
 
-    def _cos_sin(self, positions, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        missing = [p for p in positions if (base, scale, p) not in self._rope]
+    def rope_key(self, layer: int) -> tuple:
+        """(base, linear scale, frequency-factor tensor or None, YaRN, magnitude) of one layer.
+
+        As llama.cpp's rope_yarn: theta_j = p · f_j / ff_j, interpolated to s · theta (s = the
+        linear scale), YaRN mixing the extrapolated theta back in along its ramp; cos and sin
+        times the magnitude: rope.scaling.attn_factor, with YaRN times its mscale
+        0.1·ln(1/s) + 1 (or mscale(1) / mscale(yarn_log_multiplier))."""
+        cfg = self.config
+        base, scale = cfg.layer_rope(layer)
+        if cfg.is_sliding(layer):
+            return base, scale, None, False, 1.0
+        present = [n for n in cfg.rules.rope_factor_tensors if self.weights.has(f"{n}.weight")]
+        factors = None
+        if "rope_freqs" in present:
+            factors = "rope_freqs"
+        elif present:
+            orig = cfg.rope_orig_context or cfg.context
+            factors = "rope_factors_long" if self.context > orig else "rope_factors_short"
+        yarn = cfg.rope_kind == "yarn"
+        magnitude = cfg.rope_attn_factor
+        if yarn:
+            def mscale(mul):
+                return 1.0 if scale >= 1.0 else 0.1 * mul * np.log(1.0 / scale) + 1.0
+            magnitude *= mscale(1.0) / mscale(cfg.yarn_log_mul) if cfg.yarn_log_mul else mscale(1.0)
+        return base, scale, factors, yarn, float(magnitude)
+
+    def _scaled_frequencies(self, base, scale, factors, yarn) -> np.ndarray:
+        """The frequencies of a Llama 3 / YaRN / LongRoPE layer in float64 (rounded to f32 once
+        in an f32 run): f_j / ff_j · (s·(1 − r_j) + r_j), r_j YaRN's ramp over the pairs
+        between its beta_fast (32) and beta_slow (1) correction dims (llama.cpp's defaults)."""
+        n = self.config.rope_dims
+        j = np.arange(n // 2, dtype=np.float64)
+        f = np.power(float(base), -2.0 * j / n)
+        if factors is not None:
+            f = f / self.weights.tensor(f"{factors}.weight").astype(np.float64)
+        mix = 0.0
+        if yarn:
+            orig = self.config.rope_orig_context or self.config.context
+
+            def corr_dim(rotations):
+                return n * np.log(orig / (rotations * 2 * np.pi)) / (2 * np.log(float(base)))
+            low, high = max(0.0, np.floor(corr_dim(32.0))), min(n - 1.0, np.ceil(corr_dim(1.0)))
+            mix = 1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)
+        f = f * (scale * (1.0 - mix) + mix)
+        return f.astype(np.float32).astype(np.float64) if self._round else f
+
+    def _cos_sin(self, positions, base: float, scale: float, factors=None, yarn=False,
+                 magnitude=1.0) -> tuple[np.ndarray, np.ndarray]:
+        key = (base, scale, factors, yarn, magnitude)
+        missing = [p for p in positions if (key, p) not in self._rope]
         if missing:
-            freqs = self._frequencies(base, scale)
+            if factors is None and not yarn:
+                freqs = self._frequencies(base, scale)
+            else:
+                freqs = [float(v) for v in self._scaled_frequencies(base, scale, factors, yarn)]
             for p in missing:
-                self._rope[base, scale, p] = rope.rope_cos_sin(p, freqs, round_to_f32=self._round)
-        cos = np.array([self._rope[base, scale, p][0] for p in positions], dtype=self.dtype)
-        sin = np.array([self._rope[base, scale, p][1] for p in positions], dtype=self.dtype)
+                self._rope[key, p] = rope.rope_cos_sin(p, freqs, round_to_f32=self._round)
+        cos = np.array([self._rope[key, p][0] for p in positions], dtype=self.dtype)
+        sin = np.array([self._rope[key, p][1] for p in positions], dtype=self.dtype)
+        if magnitude != 1.0:
+            m = self.dtype.type(magnitude)
+            cos, sin = cos * m, sin * m
         return cos, sin
 
     # ------------------------------------------------------------------ the graph
@@ -466,7 +548,7 @@ class DenseReference:
         T = len(ids)
         positions = list(range(cache.length, cache.length + T))
         tables = {rope_key: self._cos_sin(positions, *rope_key)
-                  for rope_key in {cfg.layer_rope(i) for i in range(cfg.n_layers)}}
+                  for rope_key in {self.rope_key(i) for i in range(cfg.n_layers)}}
         scale = cfg.attention_scale
         ffn = FFNS[rules.ffn]
 
@@ -475,7 +557,7 @@ class DenseReference:
             x = x * x.dtype.type(constants.sqrt(cfg.d))
         for i in range(cfg.n_layers):                                                 # §3.2
             p = self.layer(i)
-            cos, sin = tables[cfg.layer_rope(i)]
+            cos, sin = tables[self.rope_key(i)]
             window = cfg.sliding_window if cfg.is_sliding(i) else 0
             h = rms_norm(x, p.attn_norm, cfg.eps)
             q, k, v = matmul(h, p.wq), matmul(h, p.wk), matmul(h, p.wv)

@@ -22,10 +22,18 @@ const QT_Q4_1: u32 = 3u;
 const QT_Q5_0: u32 = 6u;
 const QT_Q5_1: u32 = 7u;
 const QT_Q8_0: u32 = 8u;
+const QT_Q2_K: u32 = 10u;
+const QT_Q3_K: u32 = 11u;
 const QT_Q4_K: u32 = 12u;
 const QT_Q5_K: u32 = 13u;
 const QT_Q6_K: u32 = 14u;
+const QT_IQ4_NL: u32 = 20u;
+const QT_IQ4_XS: u32 = 23u;
 const QT_BF16: u32 = 30u;
+
+// The 16 values of IQ4_NL / IQ4_XS's non-linear grid (ggml's kvalues_iq4nl), four signed bytes
+// a word: picked by select, not by indexing a const array (some compilers refuse a dynamic index).
+const IQ4_GRID: vec4<u32> = vec4<u32>(0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u);
 
 const BYTE_SHIFTS: vec4<u32> = vec4<u32>(0u, 8u, 16u, 24u);
 
@@ -53,6 +61,38 @@ fn int8x4(w: u32) -> vec4<f32> {
 // Q5_0 / Q5_1: bit e of qh is the 5th bit (+16) of weight e; the bits of weights 4j .. 4j+3.
 fn fifth_bits(qh: u32, j: u32) -> vec4<u32> {
   return ((vec4<u32>(qh) >> (vec4<u32>(0u, 1u, 2u, 3u) + vec4<u32>(4u * j))) & vec4<u32>(1u)) << vec4<u32>(4u);
+}
+
+// The grid values of four 4-bit codes (IQ4_NL, IQ4_XS).
+fn iq4_values(codes: vec4<u32>) -> vec4<f32> {
+  let high = (codes & vec4<u32>(8u)) != vec4<u32>(0u);
+  let odd = (codes & vec4<u32>(4u)) != vec4<u32>(0u);
+  let w = select(select(vec4<u32>(IQ4_GRID.x), vec4<u32>(IQ4_GRID.y), odd),
+                 select(vec4<u32>(IQ4_GRID.z), vec4<u32>(IQ4_GRID.w), odd), high);
+  let bytes = w << (vec4<u32>(24u) - (codes & vec4<u32>(3u)) * 8u);
+  return vec4<f32>(bitcast<vec4<i32>>(bytes) >> vec4<u32>(24u));
+}
+
+// Byte k of word-aligned bytes starting at word `base`.
+fn byte_at(base: u32, k: u32) -> u32 {
+  return (word(base + (k >> 2u)) >> ((k & 3u) * 8u)) & 255u;
+}
+
+// The signed 6-bit scale of sub-block s (< 16) of a Q3_K block: low 4 bits from byte s & 7
+// (nibble s >> 3), high 2 bits from byte 8 + (s & 3) (bits 2 (s >> 2)); minus 32. The 12 scale
+// bytes start at word base + 24.
+fn q3k_scale(base: u32, s: u32) -> f32 {
+  let low = (byte_at(base + 24u, s & 7u) >> ((s >> 3u) * 4u)) & 15u;
+  let high = (byte_at(base + 24u, 8u + (s & 3u)) >> ((s >> 2u) * 2u)) & 3u;
+  return f32(i32(low | (high << 4u)) - 32);
+}
+
+// The signed 6-bit scale of sub-block s (< 8) of an IQ4_XS block: low 4 bits from scales_l
+// (word base + 1, nibble s), high 2 bits from scales_h (the upper half of word base, bits 2s).
+fn iq4xs_scale(base: u32, s: u32) -> f32 {
+  let low = (word(base + 1u) >> (4u * s)) & 15u;
+  let high = (word(base) >> (16u + 2u * s)) & 3u;
+  return f32(i32(low | (high << 4u)) - 32);
 }
 
 // Byte k of the 12 scale bytes of a Q4_K / Q5_K block (words base + 1 .. base + 3).
@@ -98,6 +138,23 @@ fn sub_scale(block: u32, s: u32) -> vec2<f32> {
     let scale = side_d(block) * int8x4(word(base + 48u + (s >> 2u)))[s & 3u];
     return vec2<f32>(scale, -32.0 * scale);
   }
+  if (QTYPE == QT_Q2_K) {
+    // scales[16] (words 0..3: low nibble scale, high nibble min), qs (4..19), (d, dmin) word 20.
+    let dm = unpack2x16float(word(base + 20u));
+    let packed = byte_at(base, s);
+    return vec2<f32>(dm.x * f32(packed & 15u), -(dm.y * f32(packed >> 4u)));
+  }
+  if (QTYPE == QT_Q3_K) {
+    // sub_quad gives q + 4 (0..7): weight = d * sc * (q + 4) - 4 * d * sc.
+    let scale = side_d(block) * q3k_scale(base, s);
+    return vec2<f32>(scale, -4.0 * scale);
+  }
+  if (QTYPE == QT_IQ4_NL) {
+    return vec2<f32>(side_d(block), 0.0);
+  }
+  if (QTYPE == QT_IQ4_XS) {
+    return vec2<f32>(unpack2x16float(word(base)).x * iq4xs_scale(base, s), 0.0);
+  }
   return vec2<f32>(1.0, 0.0);
 }
 
@@ -131,6 +188,27 @@ fn sub_quad(block: u32, s: u32, jj: u32) -> vec4<f32> {
   }
   if (QTYPE == QT_Q5_1) {
     return vec4<f32>(nibbles4(word(base + 2u + (jj & 3u)), nibble_shift) | fifth_bits(word(base + 1u), jj));
+  }
+  if (QTYPE == QT_IQ4_NL) {
+    return iq4_values(nibbles4(word(base + (jj & 3u)), nibble_shift));
+  }
+  if (QTYPE == QT_IQ4_XS) {
+    // Sub-block s: qs[16s .. 16s + 15] (words 2 + 4s ..), low nibbles then high, as a Q4_0 block.
+    return iq4_values(nibbles4(word(base + 2u + 4u * s + (jj & 3u)), nibble_shift));
+  }
+  // Q2_K / Q3_K: weight 128h + 32c + l (h < 2, c < 4, l < 32) takes bits 2c, 2c+1 of qs[32h + l];
+  // sub-block s = 8h + 2c + l / 16 of 16 weights. Q3_K adds 4 unless bit 4h + c of hmask[l] is
+  // clear (ggml: q - 4 when the bit is 0); words: Q2_K qs at 4, Q3_K hmask 0..7, qs 8..23.
+  if (QTYPE == QT_Q2_K || QTYPE == QT_Q3_K) {
+    let h2 = s >> 3u;
+    let c2 = (s >> 1u) & 3u;
+    let l_quad = 4u * (s & 1u) + jj;
+    let qs_base = select(base + 8u, base + 4u, QTYPE == QT_Q2_K);
+    let low = (vec4<u32>(word(qs_base + 8u * h2 + l_quad)) >> (BYTE_SHIFTS + vec4<u32>(2u * c2))) & vec4<u32>(3u);
+    if (QTYPE == QT_Q2_K) {
+      return vec4<f32>(low);
+    }
+    return vec4<f32>(low | (byte_bits4(word(base + l_quad), 4u * h2 + c2) << vec4<u32>(2u)));
   }
   // Q4_K / Q5_K: sub-block s is the low (s even) or high nibbles of qs[32 (s / 2) ..].
   let qs_word = 8u * (s >> 1u) + jj;

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.gpu
 xllamacpp = pytest.importorskip("xllamacpp", reason="xllamacpp (llama.cpp's server) is a dev dependency")
 
 from llamacpp_oracle import compare_next_token, oracle_for  # noqa: E402  (needs xllamacpp)
-from test_dense_reference import (KL_SMOLLM2, KL_SMOLLM2_ONE, KL_SYNTH, SMOLLM2_PROMPTS, SPEC_GOLDEN,  # noqa: E402
-                                  SPEC_IDS, SYNTH, synth_prompts)
+from test_dense_reference import (KL_SMOLLM2, KL_SMOLLM2_ONE, KL_SYNTH, ORACLE_CONTEXT, SMOLLM2_PROMPTS,  # noqa: E402
+                                  SPEC_GOLDEN, SPEC_IDS, SYNTH, synth_prompts)
 
 
-def engine_next_logits(model):
-    return lambda ids: np.asarray(model.logits(ids, context=len(ids))[-1], np.float64)
+def engine_next_logits(model, context=None):
+    return lambda ids: np.asarray(model.logits(ids, context=context or len(ids))[-1], np.float64)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_synthetic_engine_matches_llamacpp(synth_files, device, arch):
     path = synth_files[arch]
     model = needle_wgpu.load(str(path), device=device)
     exact = DenseReference(path, dtype=np.float64)
-    figures = compare_next_token(engine_next_logits(model), model.geometry.vocab, oracle_for(path),
+    figures = compare_next_token(engine_next_logits(model, ORACLE_CONTEXT), model.geometry.vocab, oracle_for(path),
                                  synth_prompts(model.geometry.vocab), KL_SYNTH, exact.next_logits)
     print(arch, "engine (T, top-10, KL, |ours - f64|, |llama.cpp - f64|):", figures)
 

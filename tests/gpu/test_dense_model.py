@@ -57,6 +57,40 @@ def test_synthetic_every_position_matches_the_reference(arch, synthetic, device)
     assert_parity(model, DenseReference(path), prompts)
 
 
+ROPE_VARIANTS = {  # the RoPE variants of tests/test_dense_reference.py's SYNTH, on the GPU
+    "llama3": SynthDense(arch="llama", rope_freqs=True, rope_base=5e5, seed=3),
+    "yarn": SynthDense(arch="qwen2", rope_scaling=4.0, rope_scaling_type="yarn", rope_orig_context=64,
+                       rope_attn_factor=1.1, seed=3),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_variants_every_position_and_decode(variant, tmp_path, device):
+    """Llama 3 frequency factors and YaRN (factor, original context, attention factor): every
+    position of every prompt, and greedy decode steps equal the reference's argmax chain."""
+    path = write_dense_gguf(tmp_path / f"{variant}.gguf", ROPE_VARIANTS[variant], tokenizer="bytes")
+    model = needle_wgpu.load(str(path), device=device)
+    reference = DenseReference(path)
+    vocab = model.geometry.vocab
+    assert_parity(model, reference, [[i % vocab for i in ids] for ids in PROMPTS])
+    prompt = [1, 40, 41, 42, 43]
+    ours = model.generate(ids=prompt, max_tokens=8, context=32).ids
+    assert ours == reference.greedy(prompt, 8)[: len(ours)] and len(ours) >= 1
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+def test_new_quant_types_every_position_match_the_reference(qtype, tmp_path, device):
+    """A model whose matrices are all of one of the types synth_quants writes (rows of 256
+    weights), uploaded in its file bits (GPU bytes = tensor bytes) and run at every position."""
+    spec = SynthDense(arch="llama", d=256, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, qtype=qtype, seed=3)
+    path = write_dense_gguf(tmp_path / f"{qtype}.gguf", spec, tokenizer="bytes")
+    model = needle_wgpu.load(str(path), device=device)
+    described = model.describe()
+    assert set(described["quant_bytes"]) == {qtype, "F32"}
+    assert described["gpu_weight_bytes"] <= 1.02 * described["tensor_bytes"]
+    assert_parity(model, DenseReference(path), [[i % model.geometry.vocab for i in PROMPTS[0]]])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_decode_after_prefill_equals_prefill(arch, synthetic, device):
     """Greedy ids from prefill + decode steps equal the reference's argmax chain, and each decode

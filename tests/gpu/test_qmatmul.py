@@ -26,7 +26,11 @@ pytestmark = pytest.mark.gpu
 GATE = 1e-5
 
 TYPES = list(qmatmul.QTYPES)
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")  # 256-weight blocks
+RANDOM_BITS = K_QUANTS + ("IQ4_NL",)  # types gguf.quants.quantize cannot write (gguf 0.19.0)
+# Byte offset of each random-bits type's f16 scales (d, then dmin where the type has one).
+SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,),
+            "IQ4_XS": (0,)}
 SHAPES = ("cpu", "gpu")
 MODES = [("gemv", 1), ("gemm", 1), ("gemm", 3), ("gemm", 8), ("gemm", 9)]
 
@@ -38,19 +42,17 @@ def width_for(qtype):
 
 def random_tensor(rng, qtype, rows, cols) -> bytes:
     """Raw GGUF bytes of a [rows x cols] tensor of type ``qtype``."""
-    if qtype not in K_QUANTS:
+    if qtype not in RANDOM_BITS:
         w = rng.normal(size=(rows, cols)).astype(np.float32)
         return np.ascontiguousarray(quantize(w, GGMLQuantizationType[qtype])).tobytes()
-    # K-quants: random bits with sane scales (§4.5); any bit pattern of the rest is valid.
+    # Random bits with sane scales (§4.5); any bit pattern of the rest is valid.
     t = qmatmul.QTYPES[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, t.nbytes), dtype=np.uint8)
+    blocks = rng.integers(0, 256, size=(rows * cols // t.weights, t.nbytes), dtype=np.uint8)
     n = len(blocks)
     if qtype == "Q6_K":
         blocks[:, 192:208] = rng.integers(-40, 41, size=(n, 16)).astype(np.int8).view(np.uint8)
-        blocks[:, 208:210] = rng.uniform(0.001, 0.003, size=(n, 1)).astype("<f2").view(np.uint8)
-    else:
-        blocks[:, 0:2] = rng.uniform(0.001, 0.003, size=(n, 1)).astype("<f2").view(np.uint8)
-        blocks[:, 2:4] = rng.uniform(0.0005, 0.0015, size=(n, 1)).astype("<f2").view(np.uint8)
+    for at, (lo, hi) in zip(SCALE_AT[qtype], ((0.001, 0.003), (0.0005, 0.0015))):
+        blocks[:, at:at + 2] = rng.uniform(lo, hi, size=(n, 1)).astype("<f2").view(np.uint8)
     return blocks.tobytes()
 
 
@@ -215,7 +217,7 @@ def test_repack_planes():
     """The side-plane layout of §4.3, byte for byte: f16 of block b at bytes 2b..2b+1, the rest
     of the block's halves in order; in-place types are not copied."""
     rng = np.random.default_rng(0)
-    for qtype in ("Q4_0", "Q5_0", "Q8_0", "Q6_K"):
+    for qtype in ("Q4_0", "Q5_0", "Q8_0", "Q6_K", "Q3_K", "IQ4_NL"):
         t = qmatmul.QTYPES[qtype]
         raw = rng.integers(0, 256, size=5 * t.nbytes, dtype=np.uint8).tobytes()
         words, side = qmatmul.repack(qtype, memoryview(raw))
@@ -225,14 +227,15 @@ def test_repack_planes():
             assert bytes(words[b * (t.nbytes - 2):(b + 1) * (t.nbytes - 2)]) == block[:at] + block[at + 2:]
             assert bytes(side[2 * b:2 * b + 2]) == block[at:at + 2]
         assert len(side) == 12 and len(words) == 5 * t.words * 4
-    raw = bytes(range(40))
-    words, side = qmatmul.repack("Q4_1", memoryview(raw))
-    assert side is None and bytes(words) == raw
+    for qtype in ("Q4_1", "Q2_K", "IQ4_XS"):
+        raw = bytes(range(256)) * qmatmul.QTYPES[qtype].nbytes
+        words, side = qmatmul.repack(qtype, memoryview(raw))
+        assert side is None and bytes(words) == raw
 
 
 def test_refusals(device):
-    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
-        qmatmul.check("w", "IQ4_NL", 256)
+    with pytest.raises(UnsupportedModelError, match="IQ2_XS"):
+        qmatmul.check("w", "IQ2_XS", 256)
     with pytest.raises(UnsupportedModelError):
         qmatmul.check("w", "F16", 102)  # float rows must be whole quads
     with pytest.raises(UnsupportedModelError):
