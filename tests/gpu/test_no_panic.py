@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from needle_wgpu.engine import GenerationResult, Needle3
-from needle_wgpu.errors import (DeviceLimitError, DeviceLostError, InputError, NeedleError, OutOfMemoryError,
+from needle_wgpu.errors import (ContextFullError, DeviceLimitError, DeviceLostError, InputError, NeedleError, OutOfMemoryError,
                                 UnsupportedModelError)
 from needle_wgpu.formats import cact
 from needle_wgpu.gpu import KernelKey, open_device
@@ -255,9 +255,12 @@ def test_the_session_api_saturates_ids_and_checks_sampling(model):
 @check(MODEL_CALLS)
 @given(ids=st.lists(token_ids, max_size=14), context=small_contexts)
 def test_logits_are_finite_rows_of_head_rows(model, ids, context):
+    if len(ids) > effective_context(context, model.geometry.max_seq_len):  # reported, never cut
+        with pytest.raises(ContextFullError):
+            model.logits(ids, context=context)
+        return
     rows = model.logits(ids, context=context)
-    expected = min(len(ids), effective_context(context, model.geometry.max_seq_len))
-    assert len(rows) == expected
+    assert len(rows) == len(ids)
     assert all(len(row) == model.geometry.head_rows for row in rows)
     assert all(math.isfinite(x) for row in rows for x in row)
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import needle_wgpu
-from needle_wgpu.errors import NeedleError
+from needle_wgpu.errors import ContextFullError, NeedleError
 from needle_wgpu.sampling import clamp_budget
 from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
 
@@ -65,8 +65,12 @@ def test_generate_from_ids(model, request, max_tokens, temperature, top_k, top_p
 def test_logits_are_finite_rows(model, ids, context):
     import math
 
+    if len(ids) > effective_context(context, model.geometry.max_seq_len):  # reported, never cut
+        with pytest.raises(ContextFullError):
+            model.logits(ids, context=context)
+        return
     rows = model.logits(ids, context=context)
-    assert len(rows) == min(len(ids), effective_context(context, model.geometry.max_seq_len))
+    assert len(rows) == len(ids)
     assert all(len(row) == model.geometry.head_rows and all(math.isfinite(x) for x in row) for row in rows)
 
 
