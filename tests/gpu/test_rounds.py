@@ -16,16 +16,6 @@ OPTIONS = [
 ]
 
 
-@pytest.fixture
-def dense(synthetic_llama):
-    return synthetic_llama
-
-
-@pytest.fixture
-def needle3(needle3_tiny):
-    return needle3_tiny
-
-
 def run(model, k, **options):
     result = needle_wgpu.api.GenerationResult("", [], "empty", 0)
     events = list(model.stream(ids=[2, 40, 41, 42, 43], max_tokens=19, context=64, tokens_per_round=k,
@@ -34,7 +24,7 @@ def run(model, k, **options):
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=["greedy", "top-k", "penalties"])
-@pytest.mark.parametrize("family", ["dense", "needle3"])
+@pytest.mark.parametrize("family", ["synthetic_llama", "needle3_tiny"])
 def test_every_round_length_gives_the_same_ids(request, family, options):
     model = request.getfixturevalue(family)
     plain, _ = run(model, 1, **options)
@@ -45,19 +35,19 @@ def test_every_round_length_gives_the_same_ids(request, family, options):
         assert [e.id for e in events if e.id is not None] == result.ids
 
 
-def test_a_stop_inside_a_round_ends_where_one_step_ends(dense):
-    plain, _ = run(dense, 1)
+def test_a_stop_inside_a_round_ends_where_one_step_ends(synthetic_llama):
+    plain, _ = run(synthetic_llama, 1)
     stop = plain.text[len(plain.text) // 2:][:2]  # text that first appears mid-generation
     assume = stop and stop in plain.text
     assert assume
-    expected, _ = run(dense, 1, stop=[stop])
+    expected, _ = run(synthetic_llama, 1, stop=[stop])
     for k in (4, 8):
-        result, _ = run(dense, k, stop=[stop])
+        result, _ = run(synthetic_llama, k, stop=[stop])
         assert (result.ids, result.text, result.finish_reason) == (expected.ids, expected.text, "stop")
 
 
-def test_a_round_is_one_submit_and_reads_four_bytes_an_id(dense, device):
-    session = dense.gpu.session(context=64)
+def test_a_round_is_one_submit_and_reads_four_bytes_an_id(synthetic_llama, device):
+    session = synthetic_llama.gpu.session(context=64)
     try:
         greedy = needle_wgpu.sampling.Sampling()
         session.prefill([2, 40, 41], greedy)
@@ -72,10 +62,10 @@ def test_a_round_is_one_submit_and_reads_four_bytes_an_id(dense, device):
         session.close()
 
 
-def test_a_conversation_keeps_the_cache_one_step_at_a_time_would(dense):
+def test_a_conversation_keeps_the_cache_one_step_at_a_time_would(synthetic_llama):
     replies = {}
     for k in (1, 5):
-        conversation = dense.conversation(context=256)
+        conversation = synthetic_llama.conversation(context=256)
         first = conversation.send("ab", max_tokens=7, tokens_per_round=k)
         second = conversation.send("cd", max_tokens=9, tokens_per_round=k)
         replies[k] = (first["content"], second["content"], conversation.turns[1].reused,
