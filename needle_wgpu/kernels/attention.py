@@ -357,9 +357,10 @@ def partials_floats(shape: AttentionShape, cache: KvCache, positions: int) -> in
 
 
 def attention_partials(device: Device, shapes: list, caches: list, chunk: int):
-    """The one ``partials`` buffer a session's layers share (None when every layer is one pass)."""
+    """The one ``partials`` buffer a session's layers share (16 bytes when every layer is one pass:
+    the binding is there, never written)."""
     floats = max((partials_floats(shape, cache, chunk) for shape, cache in zip(shapes, caches)), default=0)
-    return device.buffer(4 * floats, label="attention_partials", kind="scratch") if floats else None
+    return device.buffer(4 * floats, label="attention_partials", kind="scratch")
 
 
 def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q, cache: KvCache, o,
@@ -391,8 +392,9 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     [T][gate_stride] (Needle 3: the qkvg rows, gate at offset q + k + v widths, the defaults;
     without a gate, ``q`` is bound again and never read), 5 ``o`` f32 [T][o_stride], 6
     ``pad_tokens`` u32 [context] when given (PAD_MASK: keys at the pad id 0 are skipped, Needle
-    3 §U a; otherwise ``q`` is bound again and never read), 7 ``partials`` (``o`` again in one
-    pass), 8 the cache buffer again (read as vec4s). Workgroups: (splits, KV · head tiles, query tiles), 64 invocations. Entry ``merge``
+    3 §U a; otherwise ``q`` is bound again and never read), 7 ``partials`` (in one pass any
+    buffer no other binding writes: never written; a 16-byte one is made when none is given), 8
+    the cache buffer again (read as vec4s). Workgroups: (splits, KV · head tiles, query tiles), 64 invocations. Entry ``merge``
     (with several ranges): bindings 0, 4, 5 and 7; workgroups (H, T). Constants: KV_MODE
     (``cache.mode_code``), GATE, PAD_MASK, QK_DIM, K_ROW, V_DIM, GROUP and the ``Tiling``.
     """
@@ -422,7 +424,8 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
         k_at=cache.k_at, v_at=cache.v_at, k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at,
         acc_at=2 * positions * sh.heads * tiles.splits, scale=sh.score_scale)
     gates = gate if sh.gate else q
-    scratch = partials if needed else o
+    # one pass: a binding never written, but not o again (WebGPU forbids writable aliases)
+    scratch = partials if partials is not None else plan.device.buffer(16, label="attention_partials")
     plan.add(key, [params, step, q, cache.buffer, gates, o, q if pad_tokens is None else pad_tokens, scratch,
                    cache.buffer],
              (tiles.splits, sh.kv_heads * tiles.head_tiles, -(-positions // tiles.query_tile)), label=label)
