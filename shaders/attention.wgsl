@@ -1,44 +1,63 @@
 // Causal GQA attention, with Needle 3's elementwise output gate or plain (Needle 3 §4.5 items
-// 8-9, §6 item 1; dense §3), one workgroup per (query head hq, position t), p = pos0 + t,
-// kv head = hq / (H / KV):
+// 8-9, §6 item 1; dense §3). Query head hq of position p = pos0 + t reads kv head
+// kv = hq / (H / KV):
 //
 //   s_n = (q · k_n) · scale                        f32 and f16 caches (scale = 1/sqrt(qk)
 //   s_n = ((q · k8_n) · k_scale_n) · scale         int8 cache   unless the family says otherwise)
-//   o   = Σ_n softmax(s)_n · v_n   (int8: weights softmax_n · v_scale_n times the i8 values)
+//   o   = Σ_n softmax(s)_n · v_n   (int8: softmax_n times v_scale_n · the i8 values)
 //   out[t][hq·vd + j] = o_j · σ(g_j) with GATE (g: the gate rows at gate_offset), else o_j
 //
 // over n in [lo, p], lo = p + 1 - span when p + 1 > span, else 0 (span = the sliding window, or
 // the whole context for global layers). Key n lives in cache slot n mod cache_slots; the
 // cache must hold span + T - 1 slots (or the whole context) so that this chunk's writes never
-// overwrite a key one of its queries still needs (the op asserts it).
-//
-// Keys are visited in blocks of 256, one key per invocation for the score; the softmax is
-// online across blocks (running max, every partial rescaled when it grows). For the values,
-// invocation (g, j) = (lid / VCOLS, lid % VCOLS) sums column j over the keys i ≡ g (mod
-// GROUPS) of a block; the GROUPS partials are added at the end.
+// overwrite a key one of its queries still needs (the op asserts it). With PAD_MASK (upstream's
+// hidden cells, Needle 3 §U a), key n is also skipped where tokens[n] = 0 (the pad id), and a
+// query that sees no key gets zeros.
 //
 // Cache layout (one u32 buffer, kernels/attention.py KvCache), KV_MODE:
 //   0 f32:  K [slots][KV][qk] at k_at and V [slots][KV][vd] at v_at as f32 bits (qkv_post, qk_rope)
-//   1 int8: rows of k_row / v_row words holding 4 signed bytes each (element e in byte e % 4) and
+//   1 int8: rows of K_ROW / V_ROW words holding 4 signed bytes each (element e in byte e % 4) and
 //           f32 scales [slots][KV] at k_scale_at / v_scale_at (qkv_post, Needle 3)
-//   2 f16:  rows of k_row / v_row words holding 2 IEEE halves each (element e in the low half of
+//   2 f16:  rows of K_ROW / V_ROW words holding 2 IEEE halves each (element e in the low half of
 //           word e / 2 when e is even), read with unpack2x16float: core WGSL, no shader-f16
-//           (qk_rope, the dense family). The products and sums are f32, in the f32 mode's order.
+//           (qk_rope, the dense family).
 //
-// With PAD_MASK (upstream's hidden cells, Needle 3 §U a), key n is also skipped where
-// tokens[n] = 0 (the pad id), and a query that sees no key gets zeros.
+// The work is laid out so that it stays bounded per workgroup however long the context grows:
 //
-// Constants: KV_MODE (0, 1, 2), GATE (bool), VCOLS (power of two >= vd, <= 256), QK_DIM, K_ROW
-// (words per K row), PAD_MASK (bool). Loop bounds are constants: lavapipe recompiles a shader at every dispatch
-// whose control flow depends on uniform values alone.
+// - The cache's slots are cut into SPLITS ranges of SPLIT_BLOCKS blocks of BLOCK slots. Entry
+//   `partial`: workgroup (s, kv · HEAD_TILES + head tile, query tile) attends the ROWS =
+//   QUERY_TILE · HEAD_TILE rows (query t, head hq of kv head kv) over the slots of range s
+//   only, block by block: scores of every row for the block's keys (each key read once for
+//   all rows), the block max per row, the exponentials, then the weighted values (each value
+//   read once for all rows). The softmax is online across the range's blocks (running max,
+//   sums rescaled when it grows). With SPLITS = 1 the workgroup finishes the rows itself:
+//   o = Σ / sum (then the gate); otherwise it writes its partial (max, sum, weighted values)
+//   to `partials` and entry `merge` (workgroup (hq, t)) combines the SPLITS partials of a row:
+//   o = Σ_s acc_s · e^(m_s - M) / Σ_s sum_s · e^(m_s - M), M = max_s m_s (flash-decoding).
+// - Slot k holds, for a query at p, the position p - ((p - k) mod slots); the key is visible
+//   when that distance is below span and at most p (and, with PAD_MASK, not a pad). A block no
+//   row of the tile sees is skipped. A row's result depends only on its position: the slots,
+//   blocks and ranges do not move with the chunk, and each row's sums run in slot order in
+//   every tile, so a prefill chunk and decode steps give the same bits.
+//
+// Keys and values are read four elements at a time (a vec4 of f32 words when the rows are
+// whole vec4s, QUADS; else the words one by one) and dotted with the queries' vec4s: on
+// lavapipe, where a read every invocation makes is a gather, that is a quarter of the reads.
+// The scores and the values accumulate per quad of elements, in the same order in every mode,
+// so an f16 cache of halves gives the bits of an f32 cache holding the same values.
+//
+// Constants: KV_MODE (0 f32, 1 int8, 2 f16), GATE, PAD_MASK (bool), QK_DIM, K_ROW, V_DIM,
+// V_ROW, QUADS (f32 rows of whole vec4s), GROUP (query heads per kv head), BLOCK (keys per
+// block, a multiple of 64), HEAD_TILE, HEAD_TILES (GROUP / HEAD_TILE rounded up), QUERY_TILE,
+// SPLITS, SPLIT_BLOCKS. Loop bounds are constants where they can be: lavapipe recompiles a
+// shader at every dispatch whose control flow depends on uniform values alone.
 
 struct Params {
   heads: u32,
   kv_heads: u32,
-  qk_dim: u32,
-  v_dim: u32,
   span: u32,          // keys visible from a query, itself included
   cache_slots: u32,
+  positions: u32,     // T, the chunk's queries
   q_stride: u32,      // floats between positions in q
   gate_stride: u32,   // floats between positions in gates
   gate_offset: u32,   // float offset of the gate inside a gates row (Needle 3: q + k + v widths)
@@ -47,12 +66,9 @@ struct Params {
   v_at: u32,
   k_scale_at: u32,
   v_scale_at: u32,
-  k_row: u32,         // words per (slot, kv head) row
-  v_row: u32,
-  scale: f32,         // the score scale (f32 of 1 / sqrt(qk) by default)
+  acc_at: u32,        // float offset of the weighted values in partials (the (max, sum) pairs first)
+  scale: f32,         // the score scale
   _pad0: u32,
-  _pad1: u32,
-  _pad2: u32,
 }
 
 //#include include/step.wgsl
@@ -61,176 +77,342 @@ struct Params {
 @group(0) @binding(1) var<uniform> chunk: Step;
 @group(0) @binding(2) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read> cache: array<u32>;
-@group(0) @binding(4) var<storage, read> gates: array<f32>;  // q again without GATE
+@group(0) @binding(4) var<storage, read> gates: array<f32>;  // read with GATE only
 @group(0) @binding(5) var<storage, read_write> o: array<f32>;
 @group(0) @binding(6) var<storage, read> tokens: array<u32>;  // read with PAD_MASK only
+// [T][H][SPLITS] (max, sum) pairs, then at acc_at [T][H][SPLITS][V_DIM] weighted values
+@group(0) @binding(7) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(8) var<storage, read> cache_quads: array<vec4<u32>>;  // the cache again, read with QUADS
 
-const THREADS: u32 = 256u;
-const BLOCK: u32 = 256u;        // keys per block, one per invocation
-const MAX_HEAD_DIM: u32 = 256u;
-const GROUPS: u32 = THREADS / VCOLS;
+const THREADS: u32 = 64u;
+const LANE_KEYS: u32 = BLOCK / THREADS;  // keys per invocation for the scores
+const ROWS: u32 = QUERY_TILE * HEAD_TILE;
+const Q_QUADS: u32 = (QK_DIM + 3u) / 4u;
+const V_QUADS: u32 = (V_DIM + 3u) / 4u;
+const KEY_GROUPS: u32 = THREADS / V_QUADS;  // invocation (g, c) sums quad c of the keys i ≡ g
 const LOWEST: f32 = -3.0e38;    // the running max before the first key
-const KV_INT8: u32 = 1u;        // KV_MODE values (0: f32)
+const KV_INT8: u32 = 1u;
 const KV_F16: u32 = 2u;
 
-var<workgroup> query: array<f32, MAX_HEAD_DIM>;
-var<workgroup> weights: array<f32, BLOCK>;    // a block's softmax numerators (· v_scale in int8)
-var<workgroup> key_row: array<u32, BLOCK>;
-var<workgroup> reduction: array<f32, THREADS>;
+var<workgroup> query: array<vec4<f32>, ROWS * Q_QUADS>;  // the tile's queries, 0 past QK_DIM
+var<workgroup> scores: array<f32, ROWS * BLOCK>;   // a block's scores, its exponentials, at the end the sums
+var<workgroup> seen_by: array<u32, BLOCK>;         // bit r: row r sees the key
+var<workgroup> key_row: array<u32, BLOCK>;         // slot · kv_heads + kv
+var<workgroup> value_scale: array<f32, BLOCK>;     // int8: the key's V scale
+var<workgroup> lane_rows: array<f32, ROWS * THREADS>;  // per row and invocation: its block max, at the end its sum
+var<workgroup> row_max: array<f32, ROWS>;
+var<workgroup> row_rescale: array<f32, ROWS>;
+var<workgroup> row_sum: array<f32, ROWS>;
+var<workgroup> row_pos: array<u32, ROWS>;
+var<workgroup> row_phase: array<u32, ROWS>;        // row_pos mod slots
+var<workgroup> row_span: array<u32, ROWS>;         // 0 for a row past the chunk or the group
 
-// Signed byte e % 4 of a packed word.
-fn byte_at(word: u32, e: u32) -> f32 {
-  return f32(bitcast<i32>(word << (24u - 8u * (e % 4u))) >> 24u);
+// Signed byte b of a packed word.
+fn byte_at(word: u32, b: u32) -> f32 {
+  return f32(bitcast<i32>(word << (24u - 8u * b)) >> 24u);
 }
 
-fn score(row: u32) -> f32 {
-  let qk = QK_DIM;
-  var dot = 0.0;
-  if (KV_MODE == KV_F16) {
-    let base = params.k_at + row * params.k_row;
-    for (var w = 0u; w < K_ROW; w++) {
-      let pair = unpack2x16float(cache[base + w]);
-      dot += query[2u * w] * pair.x;
-      if (QK_DIM % 2u == 0u || 2u * w + 1u < qk) {
-        dot += query[2u * w + 1u] * pair.y;
-      }
-    }
-    return dot * params.scale;
-  }
+fn bytes_of(word: u32) -> vec4<f32> {
+  return vec4<f32>(byte_at(word, 0u), byte_at(word, 1u), byte_at(word, 2u), byte_at(word, 3u));
+}
+
+// Elements 4c .. 4c + 3 of the row of `width` elements at word `base` (`words` words a row),
+// 0 past the width.
+fn quad(base: u32, c: u32, width: u32, words: u32) -> vec4<f32> {
   if (KV_MODE == KV_INT8) {
-    let base = params.k_at + row * params.k_row;
-    for (var w = 0u; w < K_ROW; w++) {
-      let word = cache[base + w];
-      let e = 4u * w;
-      for (var b = 0u; b < 4u; b++) {
-        if (e + b < qk) {
-          dot += query[e + b] * byte_at(word, b);
+    return bytes_of(cache[base + c]);  // padding bytes are 0
+  }
+  if (KV_MODE == KV_F16) {
+    let low = unpack2x16float(cache[base + 2u * c]);
+    var high = vec2<f32>(0.0);
+    if (2u * c + 1u < words) {
+      high = unpack2x16float(cache[base + 2u * c + 1u]);  // an odd width's padding half is 0
+    }
+    return vec4<f32>(low, high);
+  }
+  if (QUADS) {
+    return bitcast<vec4<f32>>(cache_quads[base / 4u + c]);
+  }
+  var x = vec4<f32>(0.0);
+  for (var e = 0u; e < 4u; e++) {
+    if (4u * c + e < width) {
+      x[e] = bitcast<f32>(cache[base + 4u * c + e]);
+    }
+  }
+  return x;
+}
+
+// The slots holding the positions any row of the tile at t0 sees: a circular range (start, count).
+fn tile_slots(t0: u32) -> vec2<u32> {
+  let first = chunk.pos0 + t0;
+  let last = chunk.pos0 + min(params.positions, t0 + QUERY_TILE) - 1u;
+  var lo = 0u;
+  if (first + 1u > params.span) {
+    lo = first + 1u - params.span;
+  }
+  return vec2<u32>(lo % params.cache_slots, last + 1u - lo);
+}
+
+// Whether the circular slot range `seen` meets the slots [k0, k0 + len).
+fn meets(seen: vec2<u32>, k0: u32, len: u32) -> bool {
+  let slots = params.cache_slots;
+  if (seen.y >= slots) {
+    return true;
+  }
+  return (k0 + slots - seen.x) % slots < seen.y || (seen.x + slots - k0) % slots < len;
+}
+
+// Whether row r sees the key in slot k: the position the slot holds for it is in its window
+// (and, with PAD_MASK, not a pad).
+fn row_sees(r: u32, k: u32) -> bool {
+  let slots = params.cache_slots;
+  let p = row_pos[r];
+  var distance = row_phase[r] + slots - k;
+  if (distance >= slots) {
+    distance -= slots;
+  }
+  var sees = distance < row_span[r] && distance <= p;
+  if (PAD_MASK && sees) {
+    sees = tokens[p - distance] != 0u;
+  }
+  return sees;
+}
+
+// Index of row r's partial of range `split` (pairs at 2·index, values at acc_at + index·V_DIM).
+fn partial_index(r: u32, head0: u32, t0: u32, split: u32) -> u32 {
+  return ((t0 + r / HEAD_TILE) * params.heads + head0 + r % HEAD_TILE) * SPLITS + split;
+}
+
+// Rows of the tile: their queries, their positions, and span 0 for a row past the chunk or
+// the group.
+fn load_tile(lid: u32, head0: u32, t0: u32) {
+  let heads_here = min(HEAD_TILE, (head0 / GROUP) * GROUP + GROUP - head0);
+  for (var i = lid; i < ROWS * Q_QUADS; i += THREADS) {
+    let r = i / Q_QUADS;
+    let c = i % Q_QUADS;
+    let t = t0 + r / HEAD_TILE;
+    let h = r % HEAD_TILE;
+    var x = vec4<f32>(0.0);
+    if (t < params.positions && h < heads_here) {
+      let at = t * params.q_stride + (head0 + h) * QK_DIM;
+      for (var e = 0u; e < 4u; e++) {
+        if (4u * c + e < QK_DIM) {
+          x[e] = q[at + 4u * c + e];
         }
       }
     }
-    return (dot * bitcast<f32>(cache[params.k_scale_at + row])) * params.scale;
+    query[i] = x;
   }
-  let base = params.k_at + row * params.k_row;
-  for (var i = 0u; i < qk; i++) {
-    dot += query[i] * bitcast<f32>(cache[base + i]);
+  if (lid < ROWS) {
+    let t = t0 + lid / HEAD_TILE;
+    row_pos[lid] = chunk.pos0 + t;
+    row_phase[lid] = (chunk.pos0 + t) % params.cache_slots;
+    row_span[lid] = select(0u, params.span, t < params.positions && lid % HEAD_TILE < heads_here);
+    row_max[lid] = LOWEST;
   }
-  return dot * params.scale;
 }
 
-fn value(row: u32, j: u32) -> f32 {
-  if (KV_MODE == KV_F16) {
-    let pair = unpack2x16float(cache[params.v_at + row * params.v_row + j / 2u]);
-    return select(pair.x, pair.y, (j & 1u) == 1u);
-  }
-  if (KV_MODE == KV_INT8) {
-    return byte_at(cache[params.v_at + row * params.v_row + j / 4u], j);
-  }
-  return bitcast<f32>(cache[params.v_at + row * params.v_row + j]);
-}
+@compute @workgroup_size(64)
+fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  let split = wg.x;
+  let kv = wg.y / HEAD_TILES;
+  let head0 = kv * GROUP + (wg.y % HEAD_TILES) * HEAD_TILE;  // first query head of the tile
+  let t0 = wg.z * QUERY_TILE;
+  let slots = params.cache_slots;
+  load_tile(lid, head0, t0);
+  workgroupBarrier();
+  let seen = tile_slots(t0);
 
-fn reduce_max(lid: u32) {
-  for (var stride = THREADS / 2u; stride > 0u; stride >>= 1u) {
-    if (lid < stride) {
-      reduction[lid] = max(reduction[lid], reduction[lid + stride]);
+  let g = lid / V_QUADS;  // key group
+  let c = lid % V_QUADS;  // value quad
+  var acc: array<vec4<f32>, ROWS>;
+  for (var r = 0u; r < ROWS; r++) {
+    acc[r] = vec4<f32>(0.0);
+  }
+  var sums: array<f32, ROWS>;  // per row, the sum of this invocation's exponentials
+  for (var r = 0u; r < ROWS; r++) {
+    sums[r] = 0.0;
+  }
+  for (var b = 0u; b < SPLIT_BLOCKS; b++) {
+    let k0 = (split * SPLIT_BLOCKS + b) * BLOCK;
+    if (k0 >= slots) {
+      break;
+    }
+    let keys = min(BLOCK, slots - k0);
+    if (!meets(seen, k0, keys)) {
+      continue;
+    }
+    // 1. Scores of every row for the keys i = lid + 64 m of the block (slot k0 + i).
+    var tops: array<f32, ROWS>;
+    for (var r = 0u; r < ROWS; r++) {
+      tops[r] = LOWEST;
+    }
+    for (var m = 0u; m < LANE_KEYS; m++) {
+      let i = lid + m * THREADS;
+      let k = k0 + i;
+      var mask = 0u;
+      if (i < keys) {
+        let row = k * params.kv_heads + kv;
+        key_row[i] = row;
+        var dots: array<f32, ROWS>;
+        for (var r = 0u; r < ROWS; r++) {
+          dots[r] = 0.0;
+        }
+        let base = params.k_at + row * K_ROW;
+        for (var w = 0u; w < Q_QUADS; w++) {
+          let x = quad(base, w, QK_DIM, K_ROW);
+          for (var r = 0u; r < ROWS; r++) {
+            dots[r] += dot(query[r * Q_QUADS + w], x);
+          }
+        }
+        var key_scale = 1.0;
+        if (KV_MODE == KV_INT8) {
+          key_scale = bitcast<f32>(cache[params.k_scale_at + row]);
+          value_scale[i] = bitcast<f32>(cache[params.v_scale_at + row]);
+        }
+        for (var r = 0u; r < ROWS; r++) {
+          var score = dots[r] * params.scale;
+          if (KV_MODE == KV_INT8) {
+            score = (dots[r] * key_scale) * params.scale;
+          }
+          if (row_sees(r, k)) {
+            mask |= 1u << r;
+            tops[r] = max(tops[r], score);
+          }
+          scores[r * BLOCK + i] = score;
+        }
+      } else {
+        key_row[i] = kv;  // slot 0: a weight 0 still multiplies a value
+      }
+      seen_by[i] = mask;
+    }
+    for (var r = 0u; r < ROWS; r++) {
+      lane_rows[r * THREADS + lid] = tops[r];
+    }
+    workgroupBarrier();
+    // 2. The running max of row lid.
+    if (lid < ROWS) {
+      var block_max = LOWEST;
+      for (var l = 0u; l < THREADS; l++) {
+        block_max = max(block_max, lane_rows[lid * THREADS + l]);
+      }
+      let grown = max(row_max[lid], block_max);
+      row_rescale[lid] = exp(row_max[lid] - grown);
+      row_max[lid] = grown;
+    }
+    workgroupBarrier();
+    // 3. Exponentials of the invocation's keys, and its sums.
+    for (var r = 0u; r < ROWS; r++) {
+      sums[r] *= row_rescale[r];
+    }
+    for (var m = 0u; m < LANE_KEYS; m++) {
+      let i = lid + m * THREADS;
+      let mask = seen_by[i];
+      for (var r = 0u; r < ROWS; r++) {
+        var e = 0.0;
+        if ((mask & (1u << r)) != 0u) {
+          e = exp(scores[r * BLOCK + i] - row_max[r]);
+        }
+        scores[r * BLOCK + i] = e;
+        sums[r] += e;
+      }
+    }
+    workgroupBarrier();
+    // 4. Weighted values: quad c of every row over the keys i ≡ g (mod KEY_GROUPS), each
+    //    value read once for all rows.
+    if (g < KEY_GROUPS) {
+      for (var r = 0u; r < ROWS; r++) {
+        acc[r] *= row_rescale[r];
+      }
+      for (var i = g; i < keys; i += KEY_GROUPS) {
+        var v = quad(params.v_at + key_row[i] * V_ROW, c, V_DIM, V_ROW);
+        if (KV_MODE == KV_INT8) {
+          v *= value_scale[i];
+        }
+        for (var r = 0u; r < ROWS; r++) {
+          acc[r] += scores[r * BLOCK + i] * v;
+        }
+      }
     }
     workgroupBarrier();
   }
-}
 
-fn reduce_sum(lid: u32) {
-  for (var stride = THREADS / 2u; stride > 0u; stride >>= 1u) {
-    if (lid < stride) {
-      reduction[lid] += reduction[lid + stride];
+  // The key groups' sums, added in group order: scores holds [ROWS][KEY_GROUPS][V_QUADS] quads.
+  if (g < KEY_GROUPS) {
+    for (var r = 0u; r < ROWS; r++) {
+      for (var e = 0u; e < 4u; e++) {
+        scores[((r * KEY_GROUPS + g) * V_QUADS + c) * 4u + e] = acc[r][e];
+      }
     }
-    workgroupBarrier();
+  }
+  for (var r = 0u; r < ROWS; r++) {
+    lane_rows[r * THREADS + lid] = sums[r];
+  }
+  workgroupBarrier();
+  if (lid < ROWS) {
+    var sum = 0.0;  // the invocations' sums, in invocation order
+    for (var l = 0u; l < THREADS; l++) {
+      sum += lane_rows[lid * THREADS + l];
+    }
+    row_sum[lid] = sum;
+  }
+  workgroupBarrier();
+  for (var r = 0u; r < ROWS; r++) {
+    if (row_span[r] == 0u) {
+      continue;
+    }
+    let at = partial_index(r, head0, t0, split);
+    if (SPLITS > 1u && lid == 0u) {
+      partials[2u * at] = row_max[r];
+      partials[2u * at + 1u] = row_sum[r];
+    }
+    for (var j = lid; j < V_DIM; j += THREADS) {
+      var total = 0.0;
+      for (var k = 0u; k < KEY_GROUPS; k++) {
+        total += scores[(r * KEY_GROUPS + k) * V_QUADS * 4u + j];
+      }
+      if (SPLITS > 1u) {
+        partials[params.acc_at + at * V_DIM + j] = total;
+      } else {
+        finish(t0 + r / HEAD_TILE, head0 + r % HEAD_TILE, j, total, row_sum[r]);
+      }
+    }
   }
 }
 
-@compute @workgroup_size(256)
-fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+// o[t][hq·vd + j] = total / sum, gated (0 when a PAD_MASK row sees no key).
+fn finish(t: u32, hq: u32, j: u32, total: f32, sum: f32) {
+  var attended = total * (1.0 / sum);
+  if (PAD_MASK && sum == 0.0) {
+    attended = 0.0;
+  }
+  if (GATE) {
+    let gate = gates[t * params.gate_stride + params.gate_offset + hq * V_DIM + j];
+    attended *= 1.0 / (1.0 + exp(-gate));
+  }
+  o[t * params.o_stride + hq * V_DIM + j] = attended;
+}
+
+@compute @workgroup_size(64)
+fn merge(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let hq = wg.x;
   let t = wg.y;
-  let p = chunk.pos0 + t;
-  let qk = QK_DIM;
-  let vd = params.v_dim;
-  let kv = hq / (params.heads / params.kv_heads);
-  var lo = 0u;
-  if (p + 1u > params.span) {
-    lo = p + 1u - params.span;
+  let at = (t * params.heads + hq) * SPLITS;
+  var top = LOWEST;
+  for (var s = 0u; s < SPLITS; s++) {
+    top = max(top, partials[2u * (at + s)]);
   }
-  let count = p + 1u - lo;
-
-  for (var i = lid; i < qk; i += THREADS) {
-    query[i] = q[t * params.q_stride + hq * qk + i];
+  var weight: array<f32, SPLITS>;
+  var sum = 0.0;
+  for (var s = 0u; s < SPLITS; s++) {
+    weight[s] = exp(partials[2u * (at + s)] - top);
+    sum += partials[2u * (at + s) + 1u] * weight[s];
   }
-  workgroupBarrier();
-
-  let j = lid % VCOLS;
-  let g = lid / VCOLS;
-  var running_max = LOWEST;
-  var partial_sum = 0.0;  // this invocation's keys (one per block)
-  var partial_out = 0.0;  // column j over the keys i ≡ g (mod GROUPS)
-  for (var start = 0u; start < count; start += BLOCK) {
-    let inside = start + lid < count;
-    var valid = inside;
-    var s = LOWEST;
-    var row = 0u;
-    if (inside) {
-      let slot = (lo + start + lid) % params.cache_slots;
-      row = slot * params.kv_heads + kv;
-      key_row[lid] = row;  // set for a masked key too: its weight 0 still multiplies a value
-      if (PAD_MASK) {
-        valid = tokens[lo + start + lid] != 0u;
-      }
-    }
-    if (valid) {
-      s = score(row);
-    }
-    reduction[lid] = s;
-    workgroupBarrier();
-    reduce_max(lid);
-    let block_max = max(running_max, reduction[0]);
-    let rescale = exp(running_max - block_max);
-    running_max = block_max;
-    var e = 0.0;
-    if (valid) {
-      e = exp(s - block_max);
-    }
-    partial_sum = partial_sum * rescale + e;
-    if (KV_MODE == KV_INT8 && valid) {
-      weights[lid] = e * bitcast<f32>(cache[params.v_scale_at + row]);
-    } else {
-      weights[lid] = e;
-    }
-    partial_out *= rescale;
-    workgroupBarrier();
-    if (j < vd) {
-      let keys = min(BLOCK, count - start);
-      for (var i = g; i < keys; i += GROUPS) {
-        partial_out += weights[i] * value(key_row[i], j);
-      }
-    }
-    workgroupBarrier();
-  }
-
-  reduction[lid] = partial_sum;
-  weights[lid] = partial_out;
-  workgroupBarrier();
-  reduce_sum(lid);
-  if (lid < vd) {
+  for (var j = lid; j < V_DIM; j += THREADS) {
     var total = 0.0;
-    for (var k = 0u; k < GROUPS; k++) {
-      total += weights[k * VCOLS + lid];
+    for (var s = 0u; s < SPLITS; s++) {
+      total += partials[params.acc_at + (at + s) * V_DIM + j] * weight[s];
     }
-    var attended = total * (1.0 / reduction[0]);
-    if (PAD_MASK && reduction[0] == 0.0) {
-      attended = 0.0;  // every visible key is a pad
-    }
-    if (GATE) {
-      let gate = gates[t * params.gate_stride + params.gate_offset + hq * vd + lid];
-      o[t * params.o_stride + hq * vd + lid] = attended * (1.0 / (1.0 + exp(-gate)));
-    } else {
-      o[t * params.o_stride + hq * vd + lid] = attended;
-    }
+    finish(t, hq, j, total, sum);
   }
 }

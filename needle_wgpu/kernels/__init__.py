@@ -17,7 +17,7 @@ qmatmul.q_matmul -> q_matmul.wgsl, q_matmul_rows.wgsl -> qmatmul.matmul -> test_
 qmatmul.get_rows -> get_rows.wgsl -> qmatmul.get_rows -> test_qmatmul.py
 attention.qk_rope -> qk_rope.wgsl -> dense_attention.position_heads -> test_attention_dense.py
 attention.qkv_post -> qkv_post.wgsl -> needle3.attention.position_heads, ops.causal_conv -> test_attention.py
-attention.attention -> attention.wgsl -> needle3.attention.attend -> test_attention.py, test_kv_f16.py
+attention.attention -> attention.wgsl -> needle3.attention.attend (entry partial: tiles of queries over ranges of 256 cache slots; entry merge: the ranges' partial softmaxes, flash-decoding) -> test_attention.py, test_attention_long.py, test_kv_f16.py
 cq.prepare -> cq_prepare.wgsl -> needle3.cq.prepare_input -> test_cq.py
 cq.matmul -> cq_matmul.wgsl, cq_matmul_rows.wgsl -> needle3.cq.matmul_prepared -> test_cq.py
 needle3.embed.embed -> embed.wgsl -> needle3.cq.dequantize_rows -> test_embed_engram.py

@@ -316,10 +316,66 @@ def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
     return bits
 
 
+BLOCK = 256  # keys per block of attention.wgsl: one running-max update (4 barriers) each
+SPLIT_KEYS = 256  # cache slots per split range: a decode step's work per workgroup
+MAX_SPLITS = 32  # longer caches get longer ranges, so the partials stay T·H·32 rows
+MAX_ROWS = 32  # rows (query, head) of a tile: one bit each in a key's visibility mask
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How ``attention`` cuts a layer's work (attention.wgsl): the cache's slots into
+    ``splits`` ranges of ``split_blocks`` blocks of ``BLOCK`` slots, a chunk's queries into
+    tiles of ``query_tile``, a kv head's query heads into ``head_tiles`` tiles of ``head_tile``.
+    One range (a cache of at most ``SPLIT_KEYS`` slots) is one pass; more add the merge."""
+
+    splits: int
+    split_blocks: int
+    head_tile: int
+    head_tiles: int
+    query_tile: int
+
+    @property
+    def rows(self) -> int:
+        return self.head_tile * self.query_tile
+
+
+def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_bytes: int = WORKGROUP_BYTES) -> Tiling:
+    """The tiling of ``attention`` for a chunk of ``positions`` queries. The ranges depend on the
+    cache alone (never on the chunk), so a position's output is the same in any chunk."""
+    blocks = -(-cache.slots // BLOCK)
+    split_blocks = max(SPLIT_KEYS // BLOCK, -(-blocks // MAX_SPLITS))
+    splits = -(-blocks // split_blocks)
+    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 3 words
+    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - 3 * BLOCK
+    rows = min(MAX_ROWS, budget // (4 * -(-shape.qk_dim // 4) + BLOCK + 70))
+    if rows < 1:
+        raise UnsupportedModelError(f"attention: a {shape.qk_dim}-wide query row exceeds the workgroup memory")
+    group = shape.heads // shape.kv_heads
+    head_tile = min(group, rows)
+    head_tiles = -(-group // head_tile)
+    query_tile = max(1, min(positions, rows // head_tile))
+    query_tile = -(-positions // -(-positions // query_tile))  # tiles of equal size
+    return Tiling(splits, split_blocks, head_tile, head_tiles, query_tile)
+
+
+def partials_floats(shape: AttentionShape, cache: KvCache, positions: int) -> int:
+    """Floats of the ``partials`` buffer ``attention`` needs for a chunk (0: one pass, none)."""
+    splits = tiling(shape, cache, positions).splits
+    return 0 if splits == 1 else positions * shape.heads * splits * (shape.v_dim + 2)
+
+
+def attention_partials(device: Device, shapes: list, caches: list, chunk: int):
+    """The one ``partials`` buffer a session's layers share (16 bytes when every layer is one pass:
+    the binding is there, never written)."""
+    floats = max((partials_floats(shape, cache, chunk) for shape, cache in zip(shapes, caches)), default=0)
+    return device.buffer(4 * floats, label="attention_partials", kind="scratch")
+
+
 def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q, cache: KvCache, o,
               positions: int, gate=None, gate_stride: int | None = None, gate_offset: int | None = None,
               int8: bool | None = None, q_stride: int | None = None, o_stride: int | None = None,
-              pad_tokens=None, label: str = "attention") -> None:
+              pad_tokens=None, partials=None, label: str = "attention") -> None:
     """Causal GQA attention of one chunk: o[t][hq·vd + j] = attention(q_t, hq)_j, times
     σ(g[t][gate_offset + hq·vd + j]) when ``shape.gate`` (Needle 3 §4.5 items 8-9, §6 item 1;
     dense §3).
@@ -328,18 +384,28 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     n in [max(0, p + 1 - span), p] (span = ``shape.window``, or the whole context) at cache slot
     n mod slots; scores (q·k)·scale (int8: ((q·k8)·k_scale)·scale; f16: the halves widened to
     f32, summed in the f32 mode's order; scale = ``shape.score_scale``), max-subtracted softmax
-    (online over blocks of 256 keys, so any span works within 4 KiB of workgroup memory), values
-    weighted by the softmax (int8: times v_scale, then the i8 values). Every ``KvCache`` mode is
-    read; Needle 3 uses f32 or int8, the dense family f32 or f16.
+    (online over blocks of 256 keys), values weighted by the softmax (int8: the i8 values times
+    v_scale). Every ``KvCache`` mode is read; Needle 3 uses f32 or int8, the dense family f32 or
+    f16.
 
-    Bindings (``attention.wgsl``): 0 params, 1 ``step`` (uniform Step), 2 ``q`` f32
+    The work is tiled (``tiling``, attention.wgsl): each workgroup takes a tile of
+    queries and query heads of one kv head over one range of cache slots, so its work is
+    bounded whatever the context. A cache of more than ``SPLIT_KEYS`` slots has several ranges:
+    each workgroup writes its partial softmax (max, sum, weighted values) to ``partials``
+    (``partials_floats`` floats; one buffer serves every layer, as the layers run in turn) and
+    a second dispatch merges them (flash-decoding). A position's output has the same bits
+    whichever chunk it is in (prefill = decode).
+
+    Bindings (entry ``partial``): 0 params, 1 ``step`` (uniform Step), 2 ``q`` f32
     [T][q_stride] (qkv_post's / qk_rope's output), 3 the cache buffer, 4 ``gate`` f32
     [T][gate_stride] (Needle 3: the qkvg rows, gate at offset q + k + v widths, the defaults;
     without a gate, ``q`` is bound again and never read), 5 ``o`` f32 [T][o_stride], 6
     ``pad_tokens`` u32 [context] when given (PAD_MASK: keys at the pad id 0 are skipped, Needle
-    3 §U a; otherwise ``q`` is bound again and never read).
-    Workgroups: (H, T), 256 invocations. Constants: KV_MODE (``cache.mode_code``), GATE, VCOLS (v
-    head width rounded up to a power of two), QK_DIM, K_ROW, PAD_MASK.
+    3 §U a; otherwise ``q`` is bound again and never read), 7 ``partials`` (in one pass any
+    buffer no other binding writes: never written; a 16-byte one is made when none is given), 8
+    the cache buffer again (read as vec4s). Workgroups: (splits, KV · head tiles, query tiles), 64 invocations. Entry ``merge``
+    (with several ranges): bindings 0, 4, 5 and 7; workgroups (H, T). Constants: KV_MODE
+    (``cache.mode_code``), GATE, PAD_MASK, QK_DIM, K_ROW, V_DIM, GROUP and the ``Tiling``.
     """
     sh = shape
     int8 = _cache_mode("attention", cache, int8)
@@ -347,20 +413,41 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     cache.check_chunk(positions)
     if sh.gate and gate is None:
         raise ValueError("attention: a gated shape needs the gate rows")
+    tiles = tiling(sh, cache, positions, plan.device.limits.max_workgroup_storage)
+    needed = partials_floats(sh, cache, positions)
+    if needed and (partials is None or 4 * needed > _bound_bytes(partials)):
+        raise ValueError(f"{label}: {cache.name} needs a partials buffer of {4 * needed} bytes "
+                         "(attention.partials_floats)")
     width = sh.q_width + sh.k_width + sh.v_width
-    vcols = 1 << max(0, (sh.v_dim - 1).bit_length())
-    key = KernelKey("attention", consts=(("KV_MODE", cache.mode_code), ("GATE", sh.gate), ("VCOLS", vcols),
-                                          ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row),
-                                          ("PAD_MASK", pad_tokens is not None)))
+    quads = cache.mode == "f32" and cache.k_row % 4 == 0 and cache.v_row % 4 == 0  # rows of whole vec4s
+    consts = (("KV_MODE", cache.mode_code), ("GATE", sh.gate), ("PAD_MASK", pad_tokens is not None),
+              ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row), ("V_DIM", sh.v_dim), ("V_ROW", cache.v_row),
+              ("QUADS", quads), ("GROUP", sh.heads // sh.kv_heads), ("HEAD_TILE", tiles.head_tile),
+              ("HEAD_TILES", tiles.head_tiles), ("QUERY_TILE", tiles.query_tile), ("BLOCK", BLOCK),
+              ("SPLITS", tiles.splits), ("SPLIT_BLOCKS", tiles.split_blocks))
+    key = KernelKey("attention", "partial", consts)
     params = arena.struct(
-        key, heads=sh.heads, kv_heads=sh.kv_heads, qk_dim=sh.qk_dim, v_dim=sh.v_dim, span=cache.span,
-        cache_slots=cache.slots, q_stride=q_stride or sh.q_width, gate_stride=gate_stride or width + sh.out_width,
+        key, heads=sh.heads, kv_heads=sh.kv_heads, span=cache.span, cache_slots=cache.slots, positions=positions,
+        q_stride=q_stride or sh.q_width, gate_stride=gate_stride or width + sh.out_width,
         gate_offset=width if gate_offset is None else gate_offset, o_stride=o_stride or sh.out_width,
         k_at=cache.k_at, v_at=cache.v_at, k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at,
-        k_row=cache.k_row, v_row=cache.v_row, scale=sh.score_scale)
+        acc_at=2 * positions * sh.heads * tiles.splits, scale=sh.score_scale)
     gates = gate if sh.gate else q
-    plan.add(key, [params, step, q, cache.buffer, gates, o, q if pad_tokens is None else pad_tokens],
-             (sh.heads, positions), label=label)
+    # one pass: a binding never written, but not o again (WebGPU forbids writable aliases)
+    scratch = partials if partials is not None else plan.device.buffer(16, label="attention_partials")
+    plan.add(key, [params, step, q, cache.buffer, gates, o, q if pad_tokens is None else pad_tokens, scratch,
+                   cache.buffer],
+             (tiles.splits, sh.kv_heads * tiles.head_tiles, -(-positions // tiles.query_tile)), label=label)
+    if needed:
+        merge = KernelKey("attention", "merge", consts)
+        plan.add(merge, [params, None, None, None, gates, o, None, partials], (sh.heads, positions),
+                 label=f"{label} merge")
+
+
+def _bound_bytes(binding) -> int:
+    if not isinstance(binding, Binding):
+        return binding.size
+    return binding.buffer.size - binding.offset if binding.size is None else binding.size
 
 
 ROPE_CODES = {"none": 0, "adjacent": 1, "neox": 2}

@@ -272,6 +272,7 @@ class DenseSession(ChunkedSession):
         self.logits = s(g.head_rows, "logits")
         self.caches = [attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                        for i, shape in enumerate(self.shapes)]
+        self.partials = attention_ops.attention_partials(dev, self.shapes, self.caches, T)
 
     def _build(self, key: PlanKey) -> Plan:
         m, g, dev = self.model, self.model.geometry, self.device
@@ -310,7 +311,7 @@ class DenseSession(ChunkedSession):
                                   cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
                                   label=f"qk_rope {layer}", **vectors)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
-                                    positions=T, label=f"attention {layer}")
+                                    positions=T, partials=self.partials, label=f"attention {layer}")
             qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=g.attn_out,
                              y_stride=d)
             post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None

@@ -286,6 +286,8 @@ class Needle3Session(ChunkedSession):
                 self.pools[code] = (scores, state)
         self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
                                              chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
+        self.partials = attention_ops.attention_partials(
+            dev, [attention_ops.needle3_shape(g, i) for i in range(g.num_layers)], self.caches, T)
         # Stepping back over the last T positions is exact: a local layer's ring holds T − 1
         # slots beyond its window and the conv rings more than T + their taps, so the positions
         # a rewound chunk reads again were never overwritten. The probe pools cannot un-fold.
@@ -362,7 +364,7 @@ class Needle3Session(ChunkedSession):
                                    q_quant=deploy and not self.int8, kv_levels=self.kv_levels, pad_tokens=pads)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer],
                                     gate=self.qkvg, o=self.o, positions=T, int8=self.int8, pad_tokens=pads,
-                                    label=f"attention {layer}")
+                                    partials=self.partials, label=f"attention {layer}")
             cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out,
                        act_quant=deploy)
             cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,

@@ -42,7 +42,8 @@ def attention_plan(device, shape, mode, keys, T, rng):
     o = device.buffer(4 * T * shape.out_width, label="o")
     step = device.buffer(16, label="step", usage="uniform", data=np.array([keys - T, 0, 0, 0], np.uint32).tobytes())
     arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, f"attention {mode}")
-    ops.attention(plan, arena, Binding(step), shape=shape, q=q, cache=cache, o=o, positions=T)
+    partials = ops.attention_partials(device, [shape], [cache], T)
+    ops.attention(plan, arena, Binding(step), shape=shape, q=q, cache=cache, o=o, positions=T, partials=partials)
     plan.arena = arena  # keep the uniforms alive with the plan
     return plan, o
 

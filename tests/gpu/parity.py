@@ -96,6 +96,8 @@ def run_attention(device, shape, cache, q, pos0, **options):
     o = device.buffer(4 * T * shape.out_width, label="o")
     step = device.buffer(16, label="step", usage="uniform", data=np.array([pos0, 0, 0, 0], np.uint32).tobytes())
     arena, plan = UniformArena(device, capacity=1 << 12), Plan(device, "attention")
-    ops.attention(plan, arena, Binding(step), shape=shape, q=q_buf, cache=cache, o=o, positions=T, **options)
+    partials = ops.attention_partials(device, [shape], [cache], T)
+    ops.attention(plan, arena, Binding(step), shape=shape, q=q_buf, cache=cache, o=o, positions=T,
+                  partials=partials, **options)
     device.run(plan)
     return download(device, o, (T, shape.out_width))

@@ -148,6 +148,7 @@ class Runner:
         self.ring_size = ring_size or chunk + max(g.qkv_conv_taps, 1) - 1
         self.shape = ops.needle3_shape(g, layer)
         self.cache = ops.KvCache(device, self.shape, context, int8, chunk=chunk)
+        self.partials = ops.attention_partials(device, [self.shape], [self.cache], chunk)
         self.qkvg = device.buffer(4 * chunk * self.width, label="qkvg")
         self.ring = device.buffer(4 * self.ring_size * (g.q_dim + g.k_dim + g.v_dim), label="qkv_ring")
         self.q = device.buffer(4 * chunk * g.q_dim, label="q")
@@ -166,7 +167,8 @@ class Runner:
                          pad_tokens=self.pads)
             if attend:
                 ops.attention(plan, arena, step, shape=self.shape, q=self.q, cache=self.cache,
-                              gate=self.qkvg, o=self.o, positions=T, int8=self.int8, pad_tokens=self.pads)
+                              gate=self.qkvg, o=self.o, positions=T, int8=self.int8, pad_tokens=self.pads,
+                              partials=self.partials)
             self.plans[(T, attend)] = (plan, arena)
         return self.plans[(T, attend)][0]
 

@@ -71,6 +71,7 @@ class Runner:
         self.device, self.shape, self.layer = device, shape, layer
         sh = shape
         self.cache = ops.KvCache(device, sh, context, chunk=chunk, name="kv_cache.dense", mode=mode)
+        self.partials = ops.attention_partials(device, [sh], [self.cache], chunk)
         self.qkv = device.buffer(4 * chunk * (sh.q_width + sh.k_width + sh.v_width), label="qkv")
         self.q = device.buffer(4 * chunk * sh.q_width, label="q")
         self.o = device.buffer(4 * chunk * sh.out_width, label="o")
@@ -85,7 +86,7 @@ class Runner:
                         positions=T, vectors=self.layer.vectors, **self.layer.offsets)
             if attend:
                 ops.attention(plan, arena, step, shape=self.shape, q=self.q, cache=self.cache, o=self.o,
-                              positions=T)
+                              positions=T, partials=self.partials)
             self.plans[(T, attend)] = (plan, arena)
         return self.plans[(T, attend)][0]
 

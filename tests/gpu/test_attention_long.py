@@ -1,0 +1,106 @@
+"""attention.wgsl's tiling at long positions (Needle 3 §4.5 item 8, §6 item 1; dense §3).
+
+A cache of more than 256 slots is attended in ranges of 256 whose partial softmaxes are merged
+(flash-decoding), a chunk's queries in tiles, a kv head's query heads in tiles when they do not
+fit one workgroup. Against the NumPy reference at contexts up to 4,096: queries at the edges of
+the blocks and ranges and chunks that straddle them, windows over a ring that wraps, every cache
+mode, the gate and the pad mask; and each chunk row bit for bit equal to a decode step at its
+position (the ranges follow the cache, never the chunk).
+"""
+
+import numpy as np
+import pytest
+
+from needle_wgpu.kernels import attention as ops
+from needle_wgpu.kernels.attention import AttentionShape
+from needle_wgpu.reference.dense_attention import kv_f16
+from needle_wgpu.reference.needle3 import attention as ref
+from needle_wgpu.reference.ops import quantize_rows, sigmoid
+
+from .parity import F32, LONG_GATE, argmax_mismatches, fill_cache, rel, run_attention, upload
+
+pytestmark = pytest.mark.gpu
+
+# name: (shape, cache mode, context, pos0, T, pads)
+CASES = {
+    "f32-global-4096": (AttentionShape(9, 3, 64, 64), "f32", 4096, 4096 - 64, 64, False),
+    "f16-window-ring": (AttentionShape(9, 3, 64, 64, window=300), "f16", 4096, 3990, 16, False),
+    "int8-gate-pads-edges": (AttentionShape(6, 2, 48, 64, gate=True), "int8", 1024, 250, 12, True),
+    "head-tiles": (AttentionShape(32, 1, 256, 256, scale=1 / 16), "f32", 600, 509, 5, False),
+    "odd-widths": (AttentionShape(3, 1, 11, 7, window=700), "f32", 1500, 1020, 8, False),
+}
+
+
+def entries_of(rng, shape, mode, n):
+    """Random keys and values of n positions as the cache mode holds them (reference form)."""
+    k = rng.normal(size=(n, shape.kv_heads, shape.qk_dim)).astype(F32)
+    v = rng.normal(size=(n, shape.kv_heads, shape.v_dim)).astype(F32)
+    if mode == "int8":
+        (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+        return (k8, ks[..., 0], v8, vs[..., 0])
+    if mode == "f16":
+        return (kv_f16(k), kv_f16(v))
+    return (k, v)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_long_positions_and_edges(device, name):
+    shape, mode, context, pos0, T, pads = CASES[name]
+    rng = np.random.default_rng(len(name))
+    n = pos0 + T
+    positions = np.arange(n)
+    entries = entries_of(rng, shape, mode, n)
+    cache = ops.KvCache(device, shape, context, chunk=T, mode=mode)
+    kept = positions[positions >= n - cache.slots]
+    fill_cache(device, cache, tuple(e[kept] for e in entries), kept)
+    q = (rng.normal(size=(T, shape.heads, shape.qk_dim)) * 4.0).astype(F32)
+    options, keep = {}, None
+    if mode == "int8":
+        options["int8"] = True
+    width = shape.q_width + shape.k_width + shape.v_width
+    raw = rng.normal(size=(T, width + shape.out_width)).astype(F32)
+    if shape.gate:
+        options["gate"] = upload(device, raw, "qkvg")
+    if pads:
+        ids = rng.integers(1, 500, context + 1)
+        ids[rng.random(context + 1) < 0.2] = 0  # a fifth of the keys are pads
+        ids[pos0] = 0  # a query at a pad still sees the keys before it
+        keep = ids[:n] != 0
+        options["pad_tokens"] = upload(device, ids.astype(np.uint32), "tokens")
+    tiles = ops.tiling(shape, cache, T)
+    assert tiles.splits > 1, "the case must merge ranges"
+    got = run_attention(device, shape, cache, q, pos0, **options)
+
+    query_positions = pos0 + np.arange(T)
+    span = shape.window or context
+    want = ref.attend(q, query_positions, entries, positions, span, mode == "int8", scale=shape.score_scale,
+                      key_keep=keep).reshape(T, -1)
+    if shape.gate:
+        want = want * sigmoid(raw[:, width:])
+    assert rel(got, want) <= LONG_GATE
+    rows = (T * shape.heads, shape.v_dim)
+    assert argmax_mismatches(got.reshape(rows), want.reshape(rows)) == 0
+
+    # Decode steps at the chunk's first, middle and last positions give the chunk's bits.
+    for t in sorted({0, T // 2, T - 1}):
+        step_options = dict(options)
+        if shape.gate:
+            step_options["gate"] = upload(device, raw[t : t + 1], "qkvg")
+        one = run_attention(device, shape, cache, q[t : t + 1], pos0 + t, **step_options)
+        np.testing.assert_array_equal(one[0], got[t])
+
+
+def test_tiling_follows_the_cache():
+    """The ranges depend on the cache's slots only; chunks change the query tiles alone."""
+    class Cache:  # what tiling reads of a KvCache
+        def __init__(self, slots):
+            self.slots = slots
+
+    shape = AttentionShape(9, 3, 64, 64)
+    for slots, splits in ((64, 1), (256, 1), (257, 2), (4096, 16), (8192, 32), (32768, 32)):
+        per_chunk = {ops.tiling(shape, Cache(slots), T).splits for T in (1, 7, 64)}
+        assert per_chunk == {splits}, slots
+    wide = ops.tiling(AttentionShape(32, 1, 256, 256), Cache(600), 5)
+    assert wide.head_tile * wide.head_tiles >= 32 and wide.head_tiles > 1
+    assert ops.partials_floats(shape, Cache(256), 64) == 0
+    assert ops.partials_floats(shape, Cache(1024), 64) == 64 * 9 * 4 * 66
