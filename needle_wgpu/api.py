@@ -195,7 +195,6 @@ class Model:
             # or max_tokens <= 0, leaves no room: finish "length" without running the model.
             budget = clamp_budget(max_tokens, session.context - len(request))
             if spec is not None and budget > 0:
-
                 draft = self.gpu.at_depth(spec[0]).session(context=session.context, kv=kv)
                 steps.speculator = SpeculativeDecoder(session, draft, spec[1], sampling)
             decoder = self.tokenizer.stream_decoder(at_text_start=False, stop_strings=stop_texts) \

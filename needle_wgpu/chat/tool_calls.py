@@ -152,7 +152,6 @@ class ToolCallHolder:
 
 
 def _tagged_required(tools, names=None, max_calls: int = 4) -> list:
-
     return reply_grammar(tools=tools, names=names, max_calls=max_calls)
 
 

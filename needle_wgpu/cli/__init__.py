@@ -33,7 +33,6 @@ DEFAULT_TOOLS = ('[{"name":"get_weather","description":"Current weather for a ci
 
 
 def _load(path, progress, numerics="float", depth=None):
-
     return load(path, progress=progress, numerics=numerics, depth=depth)
 
 
@@ -79,7 +78,6 @@ def cmd_generate(args) -> int:
     if args.logprobs is not None:
         options.update(logprobs=True, top_logprobs=args.logprobs)
     if args.speculative is not None:
-
         options["speculative"] = speculative_pairs([args.speculative], 0)[0]
         options["constrained"] = False
     if schema is not None:
@@ -153,7 +151,6 @@ def cmd_heads(args) -> int:
 
 
 def cmd_chat(args) -> int:
-
     schema = read_json_schema(args.json_schema) if args.json_schema else None
     model = _load(_path_of(args), Progress(args.quiet))
     args.constraint = schema_constraint(model, *schema) if schema is not None else None
@@ -161,7 +158,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
-
     described = describe(args.model, context=args.context) if args.depth is None else \
         describe(args.model, context=args.context, depth=args.depth)
     print(json.dumps(described, indent=2))
@@ -186,7 +182,6 @@ def _ids_option(text: str) -> list:
 
 
 def cmd_bench(args) -> int:
-
     if args.constrained and (args.rungs is not None or args.speculative is not None):
         raise NeedleError("bench --constrained measures the grammar mask alone: run --rungs/--speculative "
                           "separately")

@@ -74,7 +74,6 @@ def _counters(device) -> tuple:
 
 
 def run_benchmark(args) -> dict:
-
     path = args.model or str(default_model())
     started = time.perf_counter()
     numerics, depth = getattr(args, "numerics", "float"), getattr(args, "depth", None)
@@ -245,7 +244,6 @@ def speculative_pairs(text_pairs, layers: int) -> list:
             try:
                 depth, k = (int(v) for v in str(text).split(","))
             except ValueError:
-
                 raise InputError(f"--speculative: {text!r} is not DEPTH,K") from None
             out.append((depth, k))
         return out

@@ -19,7 +19,6 @@ HELP = "commands: /reset, /system TEXT, /quit"
 
 
 def _options(args) -> dict:
-
     options = sampling_keywords(args)
     if getattr(args, "constraint", None) is not None:  # --json-schema: every reply under its grammar
         options["constraint"] = args.constraint
@@ -40,7 +39,6 @@ def _turn_json(reply: dict, stats) -> dict:
 
 
 def run_chat(args, model) -> int:
-
     conversation = model.conversation(args.system, tools=args.tools, context=args.context, kv=args.kv)
     note = model.chat_format.template.note if model.chat_format.template is not None else None
     if note and not args.json:
