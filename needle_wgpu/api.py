@@ -234,6 +234,8 @@ class Model:
             return None
         if not self.capabilities.depth_ladder:
             raise DepthError("speculative decoding drafts with a rung: only Needle 3 files have a ladder")
+        if not self.capabilities.verify:
+            raise UnsupportedModelError("this model's sessions cannot verify drafts")
         if matcher is not None:
             raise InputError("speculative decoding does not take constrained decoding (pass constrained=False)")
 
