@@ -88,6 +88,9 @@ class SynthDense:
         if every and self.n_layers < every:
             raise ValueError(f"a {self.arch} file needs {every} layers or more to hold a global layer "
                              f"(il % {every} == {every - 1})")
+        if rules.nope_every and self.n_layers < rules.nope_every:
+            raise ValueError(f"a {self.arch} file needs {rules.nope_every} layers or more to hold a layer "
+                             "without RoPE")
         # e.g. llama.cpp's olmoe loader wants attn_k_norm [d]: no GQA (OLMoE has none)
         kv_heads = self.n_head_kv if rules.gqa else self.n_head
         return replace(self, tied=tied, eps=eps, n_head_kv=kv_heads)

@@ -42,6 +42,7 @@ def shared_facts(engine: dense_archs.ArchRules, ref: reference.ArchRules) -> dic
         "d_query_scale_layers": (engine.d_query_scale_layers, ref.d_query_scale_layers),
         "rope_factor_tensors": (engine.rope_factor_tensors, ref.rope_factor_tensors),
         "fused": (engine.fused_qkv and engine.fused_gate_up, ref.fused),
+        "nope_every": (engine.nope_every, ref.nope_every),
     }
 
 
@@ -74,7 +75,8 @@ def test_a_new_architecture_is_one_row_in_each_table(arch, tmp_path, monkeypatch
     new = f"new{arch}"
     monkeypatch.setitem(dense_archs.ARCHITECTURES, new, dense_archs.ARCHITECTURES[arch])
     monkeypatch.setitem(reference.ARCHITECTURES, new, reference.ARCHITECTURES[arch])
-    spec = SynthDense(arch=arch, n_layers=max(2, dense_archs.ARCHITECTURES[arch].sliding_every), seed=4)
+    rules = dense_archs.ARCHITECTURES[arch]
+    spec = SynthDense(arch=arch, n_layers=max(2, rules.sliding_every, rules.nope_every), seed=4)
     paths = {a: write_dense_gguf(tmp_path / f"{a}.gguf", dataclasses.replace(spec, arch=a), tokenizer="bytes")
              for a in (arch, new)}
 

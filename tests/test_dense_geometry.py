@@ -19,6 +19,9 @@ def geometry_of(data) -> DenseGeometry:
     return DenseGeometry.from_gguf(open_gguf(data))
 
 
+ADJACENT_ROPE = ("llama", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs (the converter permuted q/k)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_architecture_reads_its_geometry(arch):
     g = geometry_of(dense_gguf(arch))
@@ -28,7 +31,7 @@ def test_every_architecture_reads_its_geometry(arch):
     assert (g.q_dim, g.k_dim, g.v_dim, g.attn_out, g.kv_repeat) == (64, 32, 32, 64, 2)
     assert (g.vocab, g.context_length, g.rope_base, g.rope_freq_scale) == (256, 512, 10000.0, 1.0)
     assert abs(g.rms_eps - 1e-6) < 1e-12 and g.attention_scale == 0.25
-    assert g.rope_neox == (arch != "llama")
+    assert g.rope_neox == (arch not in ADJACENT_ROPE)
     assert g.qk_norm == {"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "full"}.get(arch, "")
     assert g.is_moe == (arch in ("qwen3moe", "olmoe"))
     assert (g.num_experts, g.num_experts_used) == ((4, 2) if g.is_moe else (0, 0))
@@ -39,6 +42,16 @@ def test_every_architecture_reads_its_geometry(arch):
     assert ("blk.1.ffn_gate_exps.weight" in names) == g.is_moe and ("blk.1.ffn_gate.weight" in names) != g.is_moe
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
     assert ("blk.0.attn_v.bias" in names) == (arch == "qwen2")
+
+
+def test_smollm3_leaves_every_fourth_layer_unrotated():
+    """llama.cpp's smollm3 graph: RoPE unless (il + 1) % 4 == 0; the shape says "none" there."""
+    from needle_wgpu.models.dense import attention_shape
+
+    g = geometry_of(dense_gguf("smollm3", layers=8))
+    assert [g.has_rope(i) for i in range(8)] == [True, True, True, False] * 2
+    assert [attention_shape(g, i).rope for i in range(8)] == ["adjacent"] * 3 + ["none"] + ["adjacent"] * 3 + ["none"]
+    assert all(geometry_of(dense_gguf("llama", layers=8)).has_rope(i) for i in range(8))
 
 
 def test_qk_norm_widths_per_architecture():

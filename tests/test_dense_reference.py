@@ -59,6 +59,8 @@ SYNTH = {
     "llama3": (SynthDense(arch="llama", rope_freqs=True, rope_base=5e5), "bytes"),
     "yarn": (SynthDense(arch="qwen2", rope_scaling=4.0, rope_scaling_type="yarn", rope_orig_context=64,
                         rope_attn_factor=1.1), "bytes"),
+    # smollm3: 4 layers, so layer 3 is a NoPE one (llama.cpp: (il + 1) % 4 == 0).
+    "smollm3": (SynthDense(arch="smollm3", n_layers=4), "bytes"),
 }
 # the engine's session context in the llama.cpp comparisons: llama.cpp's (a LongRoPE file picks
 # its factors by it)
@@ -432,6 +434,36 @@ def test_moe_renormalisation_rule_is_llamacpps(synth_files, oracle, monkeypatch,
         top = server.top_logprobs(ids, k=len(ours))
         kl_right, kl_swapped = kl_divergence(top, ours), kl_divergence(top, log_softmax(swapped_model.next_logits(ids)))
         assert kl_right <= KL_SYNTH < 3 * KL_SYNTH < kl_swapped, (kl_right, kl_swapped)
+
+
+# Each architecture added after the first six, with its rule switched off (the plain graph it
+# extends): the reference then leaves llama.cpp's bound on at least one prompt by 3x, so the rule
+# is llama.cpp's and the synthetic file exercises it (smollm3 without NoPE: KL 0.09-0.45 against
+# 0.001-0.011 with it).
+RULE_SWAPS = {
+    "smollm3": {"nope_every": 0},
+}
+
+
+@pytest.mark.parametrize("arch", list(RULE_SWAPS))
+def test_new_architecture_rules_are_llamacpps(synth_files, oracle, monkeypatch, arch):
+    from dataclasses import replace
+
+    from llamacpp_oracle import kl_divergence
+    from needle_wgpu.reference import dense as reference
+
+    path = synth_files[arch]
+    server = oracle(path)
+    prompts = synth_prompts(DenseReference(path).config.vocab)
+    right = [log_softmax(DenseReference(path).next_logits(ids)) for ids in prompts]
+    monkeypatch.setitem(reference.ARCHITECTURES, arch, replace(reference.ARCHITECTURES[arch], **RULE_SWAPS[arch]))
+    swapped_model = DenseReference(path)
+    kls = []
+    for ids, ours in zip(prompts, right):
+        top = server.top_logprobs(ids, k=len(ours))
+        kls.append((kl_divergence(top, ours), kl_divergence(top, log_softmax(swapped_model.next_logits(ids)))))
+    assert all(kl_right <= KL_SYNTH for kl_right, _ in kls), kls
+    assert max(kl_swapped for _, kl_swapped in kls) > 3 * KL_SYNTH, kls
 
 
 def test_byte_vocabulary_synthetic_matches_llamacpp(tmp_path, oracle):

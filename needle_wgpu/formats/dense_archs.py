@@ -51,6 +51,8 @@ class ArchRules:
                                       # present: ("rope_freqs",) Llama 3; (long, short) LongRoPE (phi3)
     fused_qkv: bool = False           # blk.N.attn_qkv [q | k | v] instead of attn_q/k/v (phi3)
     fused_gate_up: bool = False       # blk.N.ffn_up holds [gate | up] and there is no ffn_gate (phi3)
+    nope_every: int = 0               # n > 0: layer il has no RoPE when (il + 1) % n == 0 (smollm3: 4;
+                                      # llama.cpp's n_no_rope_layer_step, fixed per architecture, not in the file)
 
 
 ARCHITECTURES = {
@@ -63,4 +65,6 @@ ARCHITECTURES = {
     # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there.
     "gemma3": ArchRules(qk_norm="head", activation="gelu_tanh", embedding_scale=True, post_norms=True,
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
+    # llama.cpp's src/models/smollm3.cpp: the llama graph, every 4th layer without RoPE.
+    "smollm3": ArchRules(rope_style="adjacent", qkv_bias="optional", nope_every=4),
 }

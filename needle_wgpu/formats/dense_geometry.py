@@ -125,6 +125,11 @@ class DenseGeometry:
         every = self.rules.sliding_every
         return every == 0 or layer % every == every - 1
 
+    def has_rope(self, layer: int) -> bool:
+        """Whether a layer rotates q and k (smollm3's NoPE layers do not)."""
+        every = self.rules.nope_every
+        return every == 0 or (layer + 1) % every != 0
+
     def rope(self, layer: int) -> tuple:
         """(freq_base, freq_scale) of one layer's RoPE."""
         if self.is_global(layer):

@@ -121,9 +121,12 @@ def attention_shape(g: DenseGeometry, layer: int, context: int | None = None) ->
     on it; None: the default context)."""
     base, scale = g.rope(layer)
     table, magnitude = g.rope_variant(layer, default_context(g) if context is None else context)
+    rope = ("neox" if g.rope_neox else "adjacent") if g.has_rope(layer) else "none"
+    if rope == "none":
+        table, magnitude = None, 1.0
     return attention_ops.AttentionShape(
         heads=g.num_heads, kv_heads=g.num_kv_heads, qk_dim=g.key_dim, v_dim=g.value_dim,
-        window=None if g.is_global(layer) else g.sliding_window, rope="neox" if g.rope_neox else "adjacent",
+        window=None if g.is_global(layer) else g.sliding_window, rope=rope,
         rotary_dims=g.rope_dims, rope_base=base, rope_scale=scale, rope_table=table, rope_mscale=magnitude,
         scale=f32(g.attention_scale),
         norm=g.qk_norm or "none", eps=g.rms_eps,

@@ -57,6 +57,8 @@ class ArchRules:
     rope_factor_tensors: tuple = ()  # frequency-factor tensors read when present: rope_freqs (Llama 3,
                                      # llama.cpp's llama.cpp graph) or LongRoPE's long / short pair (phi3)
     fused: bool = False              # phi3: attn_qkv rows [q | k | v], ffn_up rows [gate | up]
+    nope_every: int = 0              # n > 0: layers with (il + 1) % n == 0 take no RoPE (smollm3: 4,
+                                     # hard-coded in llama.cpp's loader, not a key of the file)
 
 
 ARCHITECTURES = {
@@ -70,6 +72,8 @@ ARCHITECTURES = {
     # its 27B (62 layers) is the one Gemma 3 whose query scale is 1/sqrt(d / n_head).
     "gemma3": ArchRules(rope.NEOX, qk_norm="head", ffn="gelu", embedding_scale=True, post_norms=True,
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
+    # llama.cpp's src/models/smollm3.cpp: llama's graph; q and k of every 4th layer are not rotated.
+    "smollm3": ArchRules(rope.ADJACENT, nope_every=4),
 }
 
 
@@ -119,6 +123,11 @@ class DenseConfig:
         """Whether a layer sees only the last `sliding_window` positions (§3 Gemma 3)."""
         every = self.rules.sliding_every
         return every > 0 and layer % every != every - 1
+
+    def has_rope(self, layer: int) -> bool:
+        """Whether a layer rotates q and k: not smollm3's NoPE layers, (il + 1) % 4 == 0."""
+        every = self.rules.nope_every
+        return not every or (layer + 1) % every != 0
 
     def layer_rope(self, layer: int) -> tuple[float, float]:
         """(freq_base, linear scale) of one layer: sliding layers use the local base, unscaled."""
@@ -570,8 +579,9 @@ class DenseReference:
             v = v.reshape(T, cfg.n_head_kv, cfg.value_dim)
             if rules.qk_norm == "head":                                               # qwen3
                 q, k = rms_norm(q, p.q_norm, cfg.eps), rms_norm(k, p.k_norm, cfg.eps)
-            q = apply_rope(q, cos, sin, rules.rope_style)
-            k = apply_rope(k, cos, sin, rules.rope_style)
+            if cfg.has_rope(i):                                                       # smollm3: NoPE layers
+                q = apply_rope(q, cos, sin, rules.rope_style)
+                k = apply_rope(k, cos, sin, rules.rope_style)
             keys, values = cache.extend(i, k, v)
             attn = causal_attention(q, keys, values, positions, scale, window)
             o = matmul(attn.reshape(T, cfg.n_head * cfg.value_dim), p.wo)

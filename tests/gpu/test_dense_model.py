@@ -78,6 +78,34 @@ def test_rope_variants_every_position_and_decode(variant, tmp_path, device):
     assert ours == reference.greedy(prompt, 8)[: len(ours)] and len(ours) >= 1
 
 
+ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH added after the first six
+    "smollm3": SynthDense(arch="smollm3", n_layers=4, seed=3),  # layer 3 without RoPE
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_architectures_every_position_and_decode(arch, tmp_path, device):
+    """Every position of every prompt against the reference; greedy prefill + decode steps equal
+    the reference's argmax chain, and each decode step's logits equal the prefill's row."""
+    path = write_dense_gguf(tmp_path / f"{arch}.gguf", ARCHITECTURES[arch], tokenizer="bytes")
+    model = needle_wgpu.load(str(path), device=device)
+    assert model.describe()["architecture"] == arch
+    reference = DenseReference(path)
+    vocab = model.geometry.vocab
+    assert_parity(model, reference, [[i % vocab for i in ids] for ids in PROMPTS])
+    prompt = [1, 40, 41, 42, 43]
+    ours = model.generate(ids=prompt, max_tokens=8, context=32).ids
+    assert ours == reference.greedy(prompt, 8)[: len(ours)] and len(ours) >= 1
+    rows = np.array(model.logits(prompt + ours[:3], context=32), np.float32)
+    session = model.gpu.session(context=32)
+    try:
+        session.prefill(prompt, Sampling.saturate(0.0))
+        steps = [session.step(Sampling.saturate(0.0)) for _ in range(3)]
+    finally:
+        session.close()
+    assert steps == ours[1:4] == [int(np.argmax(row)) for row in rows[len(prompt):len(prompt) + 3]]
+
+
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
 def test_new_quant_types_every_position_match_the_reference(qtype, tmp_path, device):
     """A model whose matrices are all of one of the types synth_quants writes (rows of 256
