@@ -57,6 +57,10 @@ class SynthDense:
     rope_attn_factor: float = 0.0  # rope.scaling.attn_factor; 0: not written
     rope_dims: int = 0          # rope.dimension_count (partial rotary); 0: head_dim
     rope_freqs: bool = False    # Llama 3 frequency factors (rope_freqs.weight; rows with rope_factor_tensors)
+    # granite's embedding_scale, residual_scale, attention.scale and logit_scale (rows with
+    # multipliers): far enough from 1 (and from 1/sqrt(head_dim)) that each one shows, with the
+    # layers still outweighing the scaled embedding (else the next token is the last one)
+    multipliers: tuple = (0.5, 1.5, 0.2, 1.25)
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
@@ -324,6 +328,10 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
             writer.add_uint32(f"{a}.{rules.expert_width_key}", s.n_ff)
     if rules.sliding_every:
         writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if rules.multipliers:
+        for suffix, value in zip(("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),
+                                 s.multipliers):
+            writer.add_float32(f"{a}.{suffix}", value)
     if s.rope_scaling:
         writer.add_string(f"{a}.rope.scaling.type", s.rope_scaling_type)
         writer.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling)

@@ -1,12 +1,14 @@
 // Residual add fused with the next RMSNorm (dense spec §3), one workgroup per position t:
 //
 //   r'  = r, or with RESIDUAL_NORM r_i · (1 / sqrt(mean(r²) + eps)) · wr_i (Gemma 3's
-//         post-attention / post-FFN norm of the sublayer output)
+//         post-attention / post-FFN norm of the sublayer output); with RESIDUAL_SCALE times
+//         r_scale (granite's residual_scale)
 //   x  <- x + r'                                        the residual stream, updated in place
 //   y   = x_i · (1 / sqrt(mean(x²) + eps)) · w_i        the next sublayer's normed input
 //
-// over the WIDTH floats of row t. Each invocation reads back only the x values it wrote.
-// Constants: WIDTH, RESIDUAL_NORM.
+// over the WIDTH floats of row t (without NORMED only the add: y is not written). Each
+// invocation reads back only the x values it wrote. Constants: WIDTH, RESIDUAL_NORM,
+// RESIDUAL_SCALE, NORMED (false, false, true: the plain add and norm, unchanged bits).
 
 struct Params {
   x_stride: u32,   // floats between positions in x
@@ -15,7 +17,7 @@ struct Params {
   w_at: u32,       // float offsets in `weights`: the norm of the sum, and of the residual
   r_w_at: u32,
   eps: f32,
-  _pad0: u32,
+  r_scale: f32,    // granite's residual_scale (RESIDUAL_SCALE)
   _pad1: u32,
 }
 
@@ -49,9 +51,15 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
     if (RESIDUAL_NORM) {
       r = (r * r_inv) * weights[params.r_w_at + i];
     }
+    if (RESIDUAL_SCALE) {
+      r = r * params.r_scale;
+    }
     let sum = x[row + i] + r;
     x[row + i] = sum;
     squares += sum * sum;
+  }
+  if (!NORMED) {
+    return;  // uniform: the whole workgroup leaves before the barriers of workgroup_sum
   }
   let total = workgroup_sum(lid, vec4<f32>(squares, 0.0, 0.0, 0.0)).x;
   let inv = 1.0 / sqrt(total / f32(WIDTH) + params.eps);

@@ -43,6 +43,7 @@ def shared_facts(engine: dense_archs.ArchRules, ref: reference.ArchRules) -> dic
         "rope_factor_tensors": (engine.rope_factor_tensors, ref.rope_factor_tensors),
         "fused": (engine.fused_qkv and engine.fused_gate_up, ref.fused),
         "nope_every": (engine.nope_every, ref.nope_every),
+        "multipliers": (engine.multipliers, ref.multipliers),
     }
 
 

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from gguf_samples import ARCH_DEFAULTS, dense_gguf
+from needle_wgpu.errors import ContainerError, UnsupportedModelError
 from needle_wgpu.formats import gguf as G
 from needle_wgpu.formats.dense_archs import ARCHITECTURES
 from needle_wgpu.formats.dense_geometry import DenseGeometry
@@ -19,7 +20,7 @@ def geometry_of(data) -> DenseGeometry:
     return DenseGeometry.from_gguf(open_gguf(data))
 
 
-ADJACENT_ROPE = ("llama", "smollm3")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs (the converter permuted q/k)
+ADJACENT_ROPE = ("llama", "smollm3", "granite")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs (the converter permuted q/k)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -52,6 +53,22 @@ def test_smollm3_leaves_every_fourth_layer_unrotated():
     assert [g.has_rope(i) for i in range(8)] == [True, True, True, False] * 2
     assert [attention_shape(g, i).rope for i in range(8)] == ["adjacent"] * 3 + ["none"] + ["adjacent"] * 3 + ["none"]
     assert all(geometry_of(dense_gguf("llama", layers=8)).has_rope(i) for i in range(8))
+
+
+def test_granite_reads_its_multipliers_as_llamacpp_does():
+    """logit_scale is required, the other three optional (0: none); attention.scale replaces
+    1/sqrt(key_length); a file without RoPE (rope.scaling.finetuned false) is refused by name."""
+    g = geometry_of(dense_gguf("granite"))
+    assert (g.logit_scale, g.embedding_multiplier, g.residual_multiplier, g.attention_scale) == (8.0, 0.0, 0.0, 0.25)
+    keys = {"granite.embedding_scale": (G.FLOAT32, 12.0), "granite.residual_scale": (G.FLOAT32, 0.25),
+            "granite.attention.scale": (G.FLOAT32, 0.015625)}
+    g = geometry_of(dense_gguf("granite", keys=keys))
+    assert (g.embedding_multiplier, g.residual_multiplier, g.attention_scale) == (12.0, 0.25, 0.015625)
+    with pytest.raises(ContainerError, match="granite.logit_scale"):
+        geometry_of(dense_gguf("granite", keys={"granite.logit_scale": None}))
+    with pytest.raises(UnsupportedModelError, match="granite.rope.scaling.finetuned"):
+        geometry_of(dense_gguf("granite", keys={"granite.rope.scaling.finetuned": (G.BOOL, False)}))
+    assert geometry_of(dense_gguf("llama", keys=keys)).attention_scale == 0.25  # other rows do not read them
 
 
 def test_qk_norm_widths_per_architecture():

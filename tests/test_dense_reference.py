@@ -61,6 +61,8 @@ SYNTH = {
                         rope_attn_factor=1.1), "bytes"),
     # smollm3: 4 layers, so layer 3 is a NoPE one (llama.cpp: (il + 1) % 4 == 0).
     "smollm3": (SynthDense(arch="smollm3", n_layers=4), "bytes"),
+    # granite: embedding x0.5, residual x1.5, attention scale 0.2 (not 1/sqrt(16)), logits / 1.25.
+    "granite": (SynthDense(arch="granite"), "bytes"),
 }
 # the engine's session context in the llama.cpp comparisons: llama.cpp's (a LongRoPE file picks
 # its factors by it)
@@ -442,6 +444,7 @@ def test_moe_renormalisation_rule_is_llamacpps(synth_files, oracle, monkeypatch,
 # 0.001-0.011 with it).
 RULE_SWAPS = {
     "smollm3": {"nope_every": 0},
+    "granite": {"multipliers": False},
 }
 
 

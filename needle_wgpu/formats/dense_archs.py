@@ -53,6 +53,9 @@ class ArchRules:
     fused_gate_up: bool = False       # blk.N.ffn_up holds [gate | up] and there is no ffn_gate (phi3)
     nope_every: int = 0               # n > 0: layer il has no RoPE when (il + 1) % n == 0 (smollm3: 4;
                                       # llama.cpp's n_no_rope_layer_step, fixed per architecture, not in the file)
+    multipliers: bool = False         # granite: embedding_scale, residual_scale, attention.scale (0 or absent:
+                                      # none) and logit_scale (required) scale the embedding rows, each
+                                      # sublayer's output before its residual add, the scores and the logits (÷)
 
 
 ARCHITECTURES = {
@@ -67,4 +70,6 @@ ARCHITECTURES = {
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
     # llama.cpp's src/models/smollm3.cpp: the llama graph, every 4th layer without RoPE.
     "smollm3": ArchRules(rope_style="adjacent", qkv_bias="optional", nope_every=4),
+    # llama.cpp's src/models/granite.cpp: llama's graph and four multipliers from the file.
+    "granite": ArchRules(rope_style="adjacent", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",), multipliers=True),
 }

@@ -59,6 +59,10 @@ class DenseGeometry:
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
     yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier
     rope_factors: tuple = ()  # ((tensor stem, f32 values), ...) of the row's frequency-factor tensors
+    embedding_multiplier: float = 0.0  # granite's embedding_scale: x = row · it (0: none)
+    residual_multiplier: float = 0.0  # granite's residual_scale: x += it · sublayer output (0: none)
+    attention_multiplier: float = 0.0  # granite's attention.scale: the score scale (0: 1/sqrt(key_length))
+    logit_scale: float = 0.0  # granite's logit_scale: logits · f32(1 / it) (0: none)
 
     # ------------------------------------------------------------------ derived (§1, §3)
     @property
@@ -116,6 +120,8 @@ class DenseGeometry:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier:
+            return self.attention_multiplier
         if self.rules.d_query_scale_layers and self.num_layers == self.rules.d_query_scale_layers:
             return 1.0 / math.sqrt(max(self.d_model // self.num_heads, 1))
         return 1.0 / math.sqrt(self.key_dim)
@@ -283,6 +289,7 @@ class DenseGeometry:
             yarn_log_mul=_real(f, key("rope.scaling.yarn_log_multiplier"), 0.0, 0.0, 1e3),
             rope_factors=tuple((stem, _factors(f, f"{stem}.weight", rope_dims)) for stem in rules.rope_factor_tensors
                                if f"{stem}.weight" in f),
+            **(_multipliers(f, key) if rules.multipliers else {}),
         )
         geometry._validate(key)
         geometry._check_tensors(f)
@@ -326,6 +333,18 @@ class DenseGeometry:
             if name not in used:
                 raise UnsupportedModelError(f"tensor {name!r}: not part of the {self.arch} graph this engine "
                                             "implements")
+
+
+def _multipliers(f: GgufFile, key) -> dict:
+    """Granite's four multipliers as llama.cpp reads them (logit_scale required, the others
+    optional; 0 means none). A file whose rope.scaling.finetuned is false runs without RoPE in
+    llama.cpp: refused here rather than served rotated."""
+    if not f.get_bool(key("rope.scaling.finetuned"), True):
+        raise UnsupportedModelError(f"metadata key {key('rope.scaling.finetuned')!r}: false (no RoPE) is not supported")
+    return {"embedding_multiplier": _real(f, key("embedding_scale"), 0.0, 0.0, 1e6),
+            "residual_multiplier": _real(f, key("residual_scale"), 0.0, 0.0, 1e6),
+            "attention_multiplier": _real(f, key("attention.scale"), 0.0, 0.0, 1e6),
+            "logit_scale": _real(f, key("logit_scale"), REQUIRED, 1e-6, 1e6)}
 
 
 def _count(f: GgufFile, key: str, lo: int = 1, hi: int = MAX_DIM, default=REQUIRED) -> int:

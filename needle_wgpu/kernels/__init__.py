@@ -10,6 +10,7 @@ match, and its parity test in tests/gpu/. Needle 3's own ops are in ``needle3/``
 norm.rms_norm -> rms_norm.wgsl -> ops.rms_norm -> test_norm_ffn.py
 norm.add_rms_norm -> add_rms_norm.wgsl -> ops.rms_norm (after an f32 add) -> test_norm_ffn.py
 norm.add_bias -> add_bias.wgsl -> (a NumPy add) -> test_norm_ffn.py
+norm.scale_softcap -> scale_softcap.wgsl -> ops.scale_softcap -> test_norm_ffn.py
 ffn.gated_activation (swiglu, gelu_gated) -> gated_act.wgsl -> ops.swiglu, ops.gelu_gated -> test_norm_ffn.py
 moe.route -> moe_router.wgsl -> dense.moe_route -> test_moe.py
 moe.routed_matmul -> q_matmul_routed.wgsl -> dense.moe_ffn -> test_moe.py

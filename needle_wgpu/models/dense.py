@@ -285,7 +285,8 @@ class DenseSession(ChunkedSession):
         step = Binding(self.step_uniform)
         vec = m.vector_buffer
         rules = g.rules
-        embed_scale = sqrt(d) if rules.embedding_scale else 1.0
+        embed_scale = sqrt(d) if rules.embedding_scale else f32(g.embedding_multiplier or 1.0)
+        residual_scale = g.residual_multiplier or None  # granite: each sublayer's output times it
         qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
         qkv_width = g.q_dim + g.k_dim + g.v_dim
         for layer in range(g.num_layers):
@@ -299,7 +300,7 @@ class DenseSession(ChunkedSession):
                 post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if rules.post_norms else None
                 norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                       positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
-                                      label=f"ffn residual + attn_norm {layer}")
+                                      residual_scale=residual_scale, label=f"ffn residual + attn_norm {layer}")
             for pack, row in w["qkv"]:
                 qmatmul.q_matmul(plan, arena, pack, self.h, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
                                  y_offset=row)
@@ -320,7 +321,8 @@ class DenseSession(ChunkedSession):
             post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None
             norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                   positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
-                                  residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
+                                  residual_weight_at=post, residual_scale=residual_scale,
+                                  label=f"attention residual + ffn_norm {layer}")
             if g.is_moe:
                 self._moe_ffn(plan, arena, w, T, layer)
             else:
@@ -328,13 +330,16 @@ class DenseSession(ChunkedSession):
         post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if rules.post_norms else None
         norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                               positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
-                              residual_weight_at=post, label="ffn residual + output_norm")
+                              residual_weight_at=post, residual_scale=residual_scale, label="ffn residual + output_norm")
         scored = T if key.all_logits else 1
         qmatmul.q_matmul(plan, arena, m.head, self.h, self.logits, positions=scored, x_stride=d,
                          x_offset=(T - scored) * d, y_stride=g.head_rows)
         if g.output_bias:
             norm_ops.add_bias(plan, arena, y=self.logits, bias=vec, width=g.head_rows, positions=scored,
                               bias_at=m.vector("output.bias"), label="output.bias")
+        if g.logit_scale:  # granite: logits · f32(1 / logit_scale), as llama.cpp's ggml_scale
+            norm_ops.scale_softcap(plan, arena, y=self.logits, width=g.head_rows, positions=scored,
+                                   scale=f32(1.0 / f32(g.logit_scale)), label="logit_scale")
         if key.sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,

@@ -59,6 +59,8 @@ class ArchRules:
     fused: bool = False              # phi3: attn_qkv rows [q | k | v], ffn_up rows [gate | up]
     nope_every: int = 0              # n > 0: layers with (il + 1) % n == 0 take no RoPE (smollm3: 4,
                                      # hard-coded in llama.cpp's loader, not a key of the file)
+    multipliers: bool = False        # granite: embedding_scale, residual_scale, attention.scale and
+                                     # logit_scale from the file (llama.cpp's granite.cpp)
 
 
 ARCHITECTURES = {
@@ -74,6 +76,9 @@ ARCHITECTURES = {
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
     # llama.cpp's src/models/smollm3.cpp: llama's graph; q and k of every 4th layer are not rotated.
     "smollm3": ArchRules(rope.ADJACENT, nope_every=4),
+    # llama.cpp's src/models/granite.cpp: x = row · embedding_scale; each sublayer's output times
+    # residual_scale before its add; scores scaled by attention.scale; logits · 1/logit_scale.
+    "granite": ArchRules(rope.ADJACENT, rope_factor_tensors=("rope_freqs",), multipliers=True),
 }
 
 
@@ -107,6 +112,10 @@ class DenseConfig:
     rope_orig_context: int = 0  # rope.scaling.original_context_length, else the context length
     rope_attn_factor: float = 1.0
     yarn_log_mul: float = 0.0
+    embedding_multiplier: float = 0.0  # granite (0: none; the four are absent elsewhere)
+    residual_multiplier: float = 0.0
+    attention_multiplier: float = 0.0
+    logit_scale: float = 0.0
 
     @property
     def rules(self) -> ArchRules:
@@ -114,7 +123,10 @@ class DenseConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The query scale: 1/sqrt(key_length); the Gemma 3 27B uses 1/sqrt(d / n_head) (§3)."""
+        """The query scale: 1/sqrt(key_length); the Gemma 3 27B uses 1/sqrt(d / n_head) (§3);
+        granite's attention.scale when the file sets it."""
+        if self.attention_multiplier:
+            return self.attention_multiplier
         if self.rules.d_query_scale_layers and self.n_layers == self.rules.d_query_scale_layers:
             return 1.0 / np.sqrt(self.d // self.n_head)
         return 1.0 / np.sqrt(self.head_dim)
@@ -194,7 +206,17 @@ class DenseConfig:
                    rope_kind=str(key("rope.scaling.type", "linear")),
                    rope_orig_context=int(key("rope.scaling.original_context_length", 0)),
                    rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
-                   yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)))
+                   yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)),
+                   **(_multipliers(key, bad) if ARCHITECTURES[arch].multipliers else {}))
+
+
+def _multipliers(key, bad) -> dict:
+    """Granite's four multipliers (llama.cpp requires logit_scale; 0 or absent: none)."""
+    if key("logit_scale") is None:
+        bad("granite needs logit_scale")
+    return {"embedding_multiplier": float(key("embedding_scale", 0.0)),
+            "residual_multiplier": float(key("residual_scale", 0.0)),
+            "attention_multiplier": float(key("attention.scale", 0.0)), "logit_scale": float(key("logit_scale"))}
 
 
 def _moe_experts(w: GgufWeights, arch: str, key, bad) -> tuple[int, int, int]:
@@ -564,6 +586,9 @@ class DenseReference:
         x = self._cast(self.weights.rows("token_embd.weight", ids))                  # §3.1
         if rules.embedding_scale:  # gemma3: sqrt(d) rounded to f32, as llama.cpp and the GPU take it
             x = x * x.dtype.type(constants.sqrt(cfg.d))
+        if cfg.embedding_multiplier:                                                  # granite
+            x = x * x.dtype.type(np.float32(cfg.embedding_multiplier))
+        residual = x.dtype.type(np.float32(cfg.residual_multiplier)) if cfg.residual_multiplier else None
         for i in range(cfg.n_layers):                                                 # §3.2
             p = self.layer(i)
             cos, sin = tables[self.rope_key(i)]
@@ -588,11 +613,15 @@ class DenseReference:
             o = o if p.bo is None else o + p.bo
             if rules.post_norms:                                                      # gemma3
                 o = rms_norm(o, p.post_attention_norm, cfg.eps)
+            if residual is not None:                                                  # granite
+                o = o * residual
             x1 = x + o
             z = rms_norm(x1, p.ffn_norm, cfg.eps)
             f = ffn(z, p)
             if rules.post_norms:
                 f = rms_norm(f, p.post_ffw_norm, cfg.eps)
+            if residual is not None:
+                f = f * residual
             x = x1 + f
         cache.length += T
 
@@ -603,6 +632,8 @@ class DenseReference:
         out = matmul(rms_norm(rows, self._cast(self.weights.tensor("output_norm.weight")), cfg.eps), head)
         if bias is not None:
             out = out + bias
+        if cfg.logit_scale:  # granite: ggml_scale by the f32 of 1 / logit_scale
+            out = out * out.dtype.type(np.float32(1.0) / np.float32(cfg.logit_scale))
         return out if logits == "all" else out[0]
 
     # ------------------------------------------------------------------ conveniences

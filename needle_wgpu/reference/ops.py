@@ -87,6 +87,23 @@ def gelu_gated(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gelu_tanh(gate) * up
 
 
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """tanh(x · f32(1/cap)) · cap, llama.cpp's soft-capping of scores or logits (dense §3:
+    gemma2's attention logits, 50, and final logits, 30): ggml_scale, ggml_tanh, ggml_scale."""
+    cap32 = F32(cap)
+    return np.tanh(np.asarray(x, F32) * F32(F32(1) / cap32)) * cap32
+
+
+def scale_softcap(x: np.ndarray, scale: float | None = None, cap: float | None = None) -> np.ndarray:
+    """x · scale (when given), then ``softcap`` (when given): granite's logits / logit_scale
+    (scale = the f32 of 1 / logit_scale), gemma2's final logits. The reference of
+    ``kernels.norm.scale_softcap``."""
+    x = np.asarray(x, F32)
+    if scale is not None:
+        x = x * F32(scale)
+    return x if cap is None else softcap(x, cap)
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Max-subtracted softmax, divided by the sum (§3; §0 item 2 for the HadaMLP cond)."""
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))

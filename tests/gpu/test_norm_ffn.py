@@ -6,7 +6,7 @@ import pytest
 from needle_wgpu.errors import UnsupportedModelError
 from needle_wgpu.gpu import Plan, UniformArena
 from needle_wgpu.kernels import ffn, norm
-from needle_wgpu.reference.ops import gelu_gated, rms_norm, swiglu
+from needle_wgpu.reference.ops import gelu_gated, rms_norm, scale_softcap, swiglu
 
 from .parity import GATE, download, rel, upload
 
@@ -78,6 +78,54 @@ def test_add_rms_norm(device, width, post_norm):
         want_sum = x + r
         np.testing.assert_array_equal(got_sum, want_sum)
     assert rel(download(device, y, (T, width)), rms_norm(want_sum, w, 1e-6)) <= GATE
+
+
+@pytest.mark.parametrize("normed", [True, False], ids=["normed", "add-only"])
+def test_add_rms_norm_residual_scale(device, normed):
+    """Granite's residual_scale: x <- x + r · s, exactly NumPy's two f32 operations; without
+    ``normed`` (olmo2) y is left as it was."""
+    rng = np.random.default_rng(11)
+    T, width = 3, 640
+    x, r = rows(rng, T, width), rows(rng, T, width)
+    w = (1 + 0.5 * rng.normal(size=width)).astype(F32)
+    xb, rb, wb = upload(device, x, "x"), upload(device, r, "r"), upload(device, w, "weights")
+    y0 = np.full((T, width), 7.0, F32)
+    y = upload(device, y0, "y")
+    run(device, lambda plan, arena: norm.add_rms_norm(
+        plan, arena, x=xb, residual=rb, weights=wb, y=y, width=width, positions=T, eps=1e-6, residual_scale=0.22,
+        normed=normed))
+    want_sum = x + r * F32(0.22)
+    np.testing.assert_array_equal(download(device, xb, (T, width)), want_sum)
+    if normed:
+        assert rel(download(device, y, (T, width)), rms_norm(want_sum, w, 1e-6)) <= GATE
+    else:
+        np.testing.assert_array_equal(download(device, y, (T, width)), y0)
+
+
+@pytest.mark.parametrize("scale, cap", [(0.125, None), (None, 30.0), (2.0, 50.0)],
+                         ids=["granite-logit-scale", "gemma2-softcap", "both"])
+def test_scale_softcap(device, scale, cap):
+    """In place over rows with a stride and offset: the scale exact (one f32 product), the cap
+    within a few ulps of NumPy's tanh; the rest of y untouched."""
+    rng = np.random.default_rng(3)
+    T, width, stride = 2, 49157, 49160
+    y0 = (rng.normal(size=(T + 1) * stride) * 40).astype(F32)
+    y0[stride:stride + 6] = (-1e30, -200.0, -0.0, 0.0, 1e-30, 1e30)
+    yb = upload(device, y0, "y")
+    run(device, lambda plan, arena: norm.scale_softcap(plan, arena, y=yb, width=width, positions=T, scale=scale,
+                                                       cap=cap, y_stride=stride, y_offset=stride))
+    got = download(device, yb, ((T + 1) * stride,))
+    want = y0.copy()
+    for t in range(T):
+        start = (t + 1) * stride
+        want[start:start + width] = scale_softcap(y0[start:start + width], scale, cap)
+    np.testing.assert_array_equal(got[:stride], y0[:stride])
+    if cap is None:
+        np.testing.assert_array_equal(got, want)
+    else:
+        capped = np.concatenate([got[(t + 1) * stride:(t + 1) * stride + width] for t in range(T)])
+        assert np.isfinite(got).all() and np.abs(capped).max() <= cap
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * cap)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
