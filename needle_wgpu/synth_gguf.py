@@ -56,6 +56,8 @@ class SynthDense:
     rope_orig_context: int = 0  # rope.scaling.original_context_length (YaRN, LongRoPE); 0: not written
     rope_attn_factor: float = 0.0  # rope.scaling.attn_factor; 0: not written
     rope_dims: int = 0          # rope.dimension_count (partial rotary); 0: head_dim
+    window_key: bool = False    # attention.sliding_window written where the row has no sliding layers
+                                # (Mistral-style llama files)
     rope_freqs: bool = False    # Llama 3 frequency factors (rope_freqs.weight; rows with rope_factor_tensors)
     # granite's embedding_scale, residual_scale, attention.scale and logit_scale (rows with
     # multipliers): far enough from 1 (and from 1/sqrt(head_dim)) that each one shows, with the
@@ -326,7 +328,7 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
         writer.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
         if rules.expert_width_key:
             writer.add_uint32(f"{a}.{rules.expert_width_key}", s.n_ff)
-    if rules.sliding_every:
+    if rules.sliding_every or s.window_key:
         writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
     if rules.multipliers:
         for suffix, value in zip(("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),

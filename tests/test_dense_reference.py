@@ -469,6 +469,27 @@ def test_new_architecture_rules_are_llamacpps(synth_files, oracle, monkeypatch, 
     assert max(kl_swapped for _, kl_swapped in kls) > 3 * KL_SYNTH, kls
 
 
+def test_a_llama_files_sliding_window_is_not_applied_as_in_llamacpp(tmp_path, oracle):
+    """Mistral-style llama files may declare attention.sliding_window; llama.cpp's llama graph
+    does not read it (a window of 4 under a 23-token prompt leaves its log-probs bit for bit
+    as without the key). The reference and the engine follow it, and the engine says so."""
+    from needle_wgpu.models import dense as dense_model
+
+    ids = synth_prompts(264)[2]
+    paths = {window: write_dense_gguf(tmp_path / f"llama-{window}.gguf", SynthDense(arch="llama", window_key=window,
+                                                                                  sliding_window=4), tokenizer="bytes")
+             for window in (False, True)}
+    tops = {window: oracle(path).top_logprobs(ids, k=264) for window, path in paths.items()}
+    assert tops[True] == tops[False]
+    np.testing.assert_array_equal(DenseReference(paths[True]).logits(ids), DenseReference(paths[False]).logits(ids))
+    windowed = dense_model.read(str(paths[True]))
+    assert windowed.geometry.sliding_window == 0 and windowed.geometry == dense_model.read(str(paths[False])).geometry
+    assert dense_model.file_warnings(windowed) == ["metadata key 'llama.attention.sliding_window' (4) is not applied: "
+                                                   "every layer attends to the whole context, as llama.cpp's llama "
+                                                   "graph does"]
+    assert dense_model.file_warnings(dense_model.read(str(paths[False]))) == []
+
+
 def test_byte_vocabulary_synthetic_matches_llamacpp(tmp_path, oracle):
     """The fallback vocabulary (no SmolLM2 installed) loads in llama.cpp; Q5_0 matrices."""
     path = write_dense_gguf(tmp_path / "bytes.gguf", SynthDense(arch="llama", qtype="Q5_0", seed=7),

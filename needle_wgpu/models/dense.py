@@ -102,6 +102,17 @@ def describe(parsed: DenseFile, context: int | None = None, depth=None) -> dict:
             "chat_template": ChatTemplate(f.get_str("tokenizer.chat_template", None)).describe()}
 
 
+def file_warnings(parsed: DenseFile) -> list:
+    """What the file says that the graph does not do, as llama.cpp does not either: a sliding
+    window declared by an architecture without sliding layers (Mistral-style llama files;
+    llama.cpp's llama graph attends to the whole past whatever attention.sliding_window says)."""
+    g, key = parsed.geometry, f"{parsed.geometry.arch}.attention.sliding_window"
+    if g.rules.sliding_every or key not in parsed.gguf.fields:
+        return []
+    return [f"metadata key {key!r} ({parsed.gguf.fields[key].value}) is not applied: every layer attends to the "
+            f"whole context, as llama.cpp's {g.arch} graph does"]
+
+
 def default_context(g: DenseGeometry) -> int:
     return min(g.max_seq_len, DEFAULT_CONTEXT)
 
@@ -231,7 +242,7 @@ class DenseGpu:
 
     @property
     def warnings(self) -> list:
-        return []
+        return file_warnings(self.parsed)
 
     def describe(self) -> dict:
         return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes}
