@@ -249,7 +249,8 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
         t["output.bias"][partial] = 0.0
     for i in range(s.n_layers):
         b = f"blk.{i}."
-        t[b + "attn_norm.weight"] = _norm(rng, d)
+        if rules.pre_norms:
+            t[b + "attn_norm.weight"] = _norm(rng, d)
         t[b + "attn_q.weight"] = _matrix(rng, q_width, d, 1.5 / np.sqrt(d))  # sharper attention
         t[b + "attn_k.weight"] = _matrix(rng, kv_width, d, 1.5 / np.sqrt(d))
         t[b + "attn_v.weight"] = _matrix(rng, kv_width, d, 1 / np.sqrt(d))
@@ -264,7 +265,8 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
             t[b + "attn_q_norm.weight"] = _norm(rng, q_width)
             t[b + "attn_k_norm.weight"] = _norm(rng, kv_width)
         t[b + "attn_output.weight"] = _matrix(rng, d, q_width, s.layer_gain / np.sqrt(q_width))
-        t[b + "ffn_norm.weight"] = _norm(rng, d)
+        if rules.pre_norms:
+            t[b + "ffn_norm.weight"] = _norm(rng, d)
         if rules.moe:
             e, ff = s.n_expert, s.n_ff
             t[b + "ffn_gate_inp.weight"] = _matrix(rng, e, d, s.router_scale / np.sqrt(d))
@@ -283,9 +285,10 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
             t[b + "ffn_up.weight"] = np.concatenate([t.pop(b + "ffn_gate.weight"), t.pop(b + "ffn_up.weight")])
         if rules.post_norms:
             # The post-norms set each branch's RMS to their weights' size; the residual stream
-            # starts at embed_scale · sqrt(d) (the scaled embedding): weights of layer_gain times
-            # that keep the layers' share as for the other archs (Gemma's own are large too).
-            post_gain = s.layer_gain * s.embed_scale * np.sqrt(d)
+            # starts at embed_scale (· sqrt(d) where the embedding is scaled): weights of
+            # layer_gain times that keep the layers' share as for the other archs (Gemma's own are
+            # large too).
+            post_gain = s.layer_gain * s.embed_scale * (np.sqrt(d) if rules.embedding_scale else 1.0)
             t[b + "post_attention_norm.weight"] = _norm(rng, d) * np.float32(post_gain)
             t[b + "post_ffw_norm.weight"] = _norm(rng, d) * np.float32(post_gain)
     return t

@@ -44,6 +44,7 @@ def shared_facts(engine: dense_archs.ArchRules, ref: reference.ArchRules) -> dic
         "fused": (engine.fused_qkv and engine.fused_gate_up, ref.fused),
         "nope_every": (engine.nope_every, ref.nope_every),
         "multipliers": (engine.multipliers, ref.multipliers),
+        "pre_norms": (engine.pre_norms, ref.pre_norms),
     }
 
 

@@ -33,15 +33,18 @@ def test_every_architecture_reads_its_geometry(arch):
     assert (g.vocab, g.context_length, g.rope_base, g.rope_freq_scale) == (256, 512, 10000.0, 1.0)
     assert abs(g.rms_eps - 1e-6) < 1e-12 and g.attention_scale == 0.25
     assert g.rope_neox == (arch not in ADJACENT_ROPE)
-    assert g.qk_norm == {"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "full"}.get(arch, "")
+    assert g.qk_norm == {"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "full",
+                         "olmo2": "full"}.get(arch, "")
     assert g.is_moe == (arch in ("qwen3moe", "olmoe"))
     assert (g.num_experts, g.num_experts_used) == ((4, 2) if g.is_moe else (0, 0))
-    assert g.tied_head == (arch != "olmoe")
-    assert g.head_tensor == ("output.weight" if arch == "olmoe" else "token_embd.weight")
+    untied = ARCHITECTURES[arch].output_required  # olmoe, olmo2
+    assert g.tied_head == (not untied)
+    assert g.head_tensor == ("output.weight" if untied else "token_embd.weight")
     assert g.qkv_bias == (arch == "qwen2") and not g.output_bias
     names = {name for name, _ in g.tensors()}
     assert ("blk.1.ffn_gate_exps.weight" in names) == g.is_moe and ("blk.1.ffn_gate.weight" in names) != g.is_moe
-    assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
+    assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "olmo2"))
+    assert ("blk.0.attn_norm.weight" in names) == ("blk.0.ffn_norm.weight" in names) == (arch != "olmo2")
     assert ("blk.0.attn_v.bias" in names) == (arch == "qwen2")
 
 
@@ -69,6 +72,14 @@ def test_granite_reads_its_multipliers_as_llamacpp_does():
     with pytest.raises(UnsupportedModelError, match="granite.rope.scaling.finetuned"):
         geometry_of(dense_gguf("granite", keys={"granite.rope.scaling.finetuned": (G.BOOL, False)}))
     assert geometry_of(dense_gguf("llama", keys=keys)).attention_scale == 0.25  # other rows do not read them
+
+
+def test_olmo2_refuses_sliding_window_layers():
+    """llama.cpp's olmo2 applies OLMo 3's sliding layers when attention.sliding_window > 0: not
+    implemented here, so refused by name (0 or absent: the plain olmo2 graph)."""
+    with pytest.raises(UnsupportedModelError, match="olmo2.attention.sliding_window"):
+        geometry_of(dense_gguf("olmo2", keys={"olmo2.attention.sliding_window": (G.UINT32, 4096)}))
+    assert geometry_of(dense_gguf("olmo2", keys={"olmo2.attention.sliding_window": (G.UINT32, 0)})).arch == "olmo2"
 
 
 def test_qk_norm_widths_per_architecture():

@@ -41,6 +41,8 @@ class ArchRules:
     renormalise: bool = False         # MoE: the top-k weights divided by their sum (qwen3moe, not olmoe)
     embedding_scale: bool = False     # x = embedding row · sqrt(d) (gemma3)
     post_norms: bool = False          # RMSNorm of the attention and FFN outputs before each residual add
+    pre_norms: bool = True            # attn_norm / ffn_norm before each sublayer; False: the sublayers read
+                                      # the residual stream itself and the file has neither (olmo2)
     sliding_every: int = 0            # n > 0: layer il is global when il % n == n − 1, else sliding
                                       # (attention.sliding_window wide)
     local_rope_base: float = 0.0      # the sliding layers' RoPE base, unscaled (not in the file; §1)
@@ -53,6 +55,10 @@ class ArchRules:
     fused_gate_up: bool = False       # blk.N.ffn_up holds [gate | up] and there is no ffn_gate (phi3)
     nope_every: int = 0               # n > 0: layer il has no RoPE when (il + 1) % n == 0 (smollm3: 4;
                                       # llama.cpp's n_no_rope_layer_step, fixed per architecture, not in the file)
+    declared_window: str = "ignored"  # attention.sliding_window of a row without sliding layers:
+                                      # "ignored" as llama.cpp ignores it (llama; a warning says so), or
+                                      # "refused" where llama.cpp would apply a pattern not implemented
+                                      # here (olmo2: OLMo 3's sliding layers)
     multipliers: bool = False         # granite: embedding_scale, residual_scale, attention.scale (0 or absent:
                                       # none) and logit_scale (required) scale the embedding rows, each
                                       # sublayer's output before its residual add, the scores and the logits (÷)
@@ -72,4 +78,7 @@ ARCHITECTURES = {
     "smollm3": ArchRules(rope_style="adjacent", qkv_bias="optional", nope_every=4),
     # llama.cpp's src/models/granite.cpp: llama's graph and four multipliers from the file.
     "granite": ArchRules(rope_style="adjacent", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",), multipliers=True),
+    # llama.cpp's src/models/olmo2.cpp: no pre-norms, post-norms, full-width q/k norms, untied head.
+    "olmo2": ArchRules(qk_norm="full", tied_head=False, output_required=True, post_norms=True, pre_norms=False,
+                       declared_window="refused"),
 }

@@ -63,6 +63,7 @@ class DenseGeometry:
     residual_multiplier: float = 0.0  # granite's residual_scale: x += it · sublayer output (0: none)
     attention_multiplier: float = 0.0  # granite's attention.scale: the score scale (0: 1/sqrt(key_length))
     logit_scale: float = 0.0  # granite's logit_scale: logits · f32(1 / it) (0: none)
+    declared_window: int = 0  # attention.sliding_window of a row without sliding layers (not applied)
 
     # ------------------------------------------------------------------ derived (§1, §3)
     @property
@@ -183,6 +184,8 @@ class DenseGeometry:
         else:
             projections = [("attn_q", (d, self.q_dim)), ("attn_k", (d, self.k_dim)), ("attn_v", (d, self.v_dim))]
         out = [("attn_norm", (d,)), *projections, ("attn_output", (self.attn_out, d)), ("ffn_norm", (d,))]
+        if not self.rules.pre_norms:  # olmo2
+            out = [entry for entry in out if entry[0] not in ("attn_norm", "ffn_norm")]
         if self.qkv_bias:
             out += [("attn_q.bias", (self.q_dim,)), ("attn_k.bias", (self.k_dim,)),
                     ("attn_v.bias", (self.v_dim,))]
@@ -282,6 +285,8 @@ class DenseGeometry:
             num_experts=experts, num_experts_used=used,
             sliding_window=_count(f, key("attention.sliding_window"), hi=MAX_CONTEXT)
             if rules.sliding_every else 0,
+            declared_window=0 if rules.sliding_every else _count(f, key("attention.sliding_window"), lo=0,
+                                                                   hi=MAX_CONTEXT, default=0),
             rope_scaling=f.get_str(key("rope.scaling.type"), "linear"),
             rope_orig_context=_count(f, key("rope.scaling.original_context_length"), hi=MAX_CONTEXT, default=0)
             if key("rope.scaling.original_context_length") in f.fields else 0,
@@ -312,6 +317,10 @@ class DenseGeometry:
         if stems and {"rope_factors_long", "rope_factors_short"} & stems and \
                 stems != {"rope_factors_long", "rope_factors_short"}:
             _bad("tensor 'rope_factors_long.weight'", "LongRoPE needs both the long and the short factors")
+        window = key("attention.sliding_window")
+        if self.rules.declared_window == "refused" and self.declared_window:
+            raise UnsupportedModelError(f"metadata key {window!r}: {self.arch} files with sliding-window layers "
+                                        f"({self.declared_window}) are not supported")
         if self.num_experts_used > self.num_experts:
             _bad(f"metadata key {key('expert_used_count')!r}",
                  f"{self.num_experts_used} > expert_count {self.num_experts}")

@@ -106,11 +106,11 @@ def file_warnings(parsed: DenseFile) -> list:
     """What the file says that the graph does not do, as llama.cpp does not either: a sliding
     window declared by an architecture without sliding layers (Mistral-style llama files;
     llama.cpp's llama graph attends to the whole past whatever attention.sliding_window says)."""
-    g, key = parsed.geometry, f"{parsed.geometry.arch}.attention.sliding_window"
-    if g.rules.sliding_every or key not in parsed.gguf.fields:
+    g = parsed.geometry
+    if not g.declared_window:
         return []
-    return [f"metadata key {key!r} ({parsed.gguf.fields[key].value}) is not applied: every layer attends to the "
-            f"whole context, as llama.cpp's {g.arch} graph does"]
+    return [f"metadata key '{g.arch}.attention.sliding_window' ({g.declared_window}) is not applied: every layer "
+            f"attends to the whole context, as llama.cpp's {g.arch} graph does"]
 
 
 def default_context(g: DenseGeometry) -> int:
@@ -300,20 +300,23 @@ class DenseSession(ChunkedSession):
         residual_scale = g.residual_multiplier or None  # granite: each sublayer's output times it
         qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
         qkv_width = g.q_dim + g.k_dim + g.v_dim
+        pre = rules.pre_norms  # olmo2: the sublayers read the residual stream x itself
+        sublayer_in = self.h if pre else self.x
         for layer in range(g.num_layers):
             w = m.layers[layer]
             name = lambda n: f"blk.{layer}.{n}"
-            norm = m.vector(name("attn_norm.weight"))
-            if layer == 0:
+            norm = m.vector(name("attn_norm.weight")) if pre else 0
+            if layer == 0 and pre:
                 norm_ops.rms_norm(plan, arena, x=self.x, weights=vec, y=self.h, width=d, positions=T,
                                   eps=g.rms_eps, weight_at=norm, label="attn_norm 0")
-            else:
+            elif layer:
                 post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if rules.post_norms else None
                 norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                                       positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
-                                      residual_scale=residual_scale, label=f"ffn residual + attn_norm {layer}")
+                                      residual_scale=residual_scale, normed=pre,
+                                      label=f"ffn residual + attn_norm {layer}")
             for pack, row in w["qkv"]:
-                qmatmul.q_matmul(plan, arena, pack, self.h, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
+                qmatmul.q_matmul(plan, arena, pack, sublayer_in, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
                                  y_offset=row)
             shape, vectors = self.shapes[layer], {}
             if shape.norm != "none":
@@ -331,13 +334,13 @@ class DenseSession(ChunkedSession):
                              y_stride=d)
             post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None
             norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                                  positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
-                                  residual_weight_at=post, residual_scale=residual_scale,
+                                  positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")) if pre else 0,
+                                  residual_weight_at=post, residual_scale=residual_scale, normed=pre,
                                   label=f"attention residual + ffn_norm {layer}")
             if g.is_moe:
                 self._moe_ffn(plan, arena, w, T, layer)
             else:
-                self._dense_ffn(plan, arena, w, T, act=rules.activation, label=f"ffn act {layer}")
+                self._dense_ffn(plan, arena, w, T, act=rules.activation, x=sublayer_in, label=f"ffn act {layer}")
         post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if rules.post_norms else None
         norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
                               positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
@@ -357,11 +360,11 @@ class DenseSession(ChunkedSession):
                               positions=T, sampling=key.sample, mask=self.mask if key.mask else None)
         return plan
 
-    def _dense_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, act: str, label: str) -> None:
-        """branch = Wdown (act(Wgate h) · Wup h) (§3.2)."""
+    def _dense_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, act: str, x, label: str) -> None:
+        """branch = Wdown (act(Wgate x) · Wup x) (§3.2); x is h, or the stream itself (olmo2)."""
         d, ff = self.model.geometry.d_model, self.model.geometry.ff_dim
         for pack, row in w["gate_up"]:
-            qmatmul.q_matmul(plan, arena, pack, self.h, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
+            qmatmul.q_matmul(plan, arena, pack, x, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
                              y_offset=row)
         ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
                                  positions=T, act=act, gate_stride=2 * ff, up_stride=2 * ff, up_offset=ff,

@@ -50,6 +50,7 @@ class ArchRules:
     renormalise: bool = False        # MoE: top-k weights divided by their sum (qwen3moe, not olmoe)
     embedding_scale: bool = False    # x = embedding row · sqrt(d) (gemma3)
     post_norms: bool = False         # RMSNorm of the attention and FFN outputs before each residual add
+    pre_norms: bool = True           # False: no attn_norm / ffn_norm, the sublayers read x itself (olmo2)
     expert_width_key: str | None = None  # MoE: one expert's width key when not feed_forward_length
     sliding_every: int = 0           # n > 0: layer il is global when il % n == n − 1, else sliding
     local_rope_base: float = 0.0     # the sliding layers' RoPE base (not in the file; §1)
@@ -79,6 +80,9 @@ ARCHITECTURES = {
     # llama.cpp's src/models/granite.cpp: x = row · embedding_scale; each sublayer's output times
     # residual_scale before its add; scores scaled by attention.scale; logits · 1/logit_scale.
     "granite": ArchRules(rope.ADJACENT, rope_factor_tensors=("rope_freqs",), multipliers=True),
+    # llama.cpp's src/models/olmo2.cpp: attention and FFN read the stream un-normed, their outputs
+    # are RMS-normed before each add; q and k normed over their whole rows, as olmoe's.
+    "olmo2": ArchRules(rope.NEOX, qk_norm="full", post_norms=True, pre_norms=False),
 }
 
 
@@ -462,11 +466,11 @@ class DenseReference:
         else:
             wq, wk, wv = t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")
             gate, up = opt("ffn_gate.weight"), opt("ffn_up.weight")
-        p = LayerWeights(attn_norm=t("attn_norm.weight"), wq=wq, wk=wk,
+        p = LayerWeights(attn_norm=t("attn_norm.weight") if cfg.rules.pre_norms else None, wq=wq, wk=wk,
                          wv=wv, bq=opt("attn_q.bias"), bk=opt("attn_k.bias"),
                          bv=opt("attn_v.bias"), wo=t("attn_output.weight"), bo=opt("attn_output.bias"),
                          q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
-                         ffn_norm=t("ffn_norm.weight"), gate=gate, up=up,
+                         ffn_norm=t("ffn_norm.weight") if cfg.rules.pre_norms else None, gate=gate, up=up,
                          down=opt("ffn_down.weight"), post_attention_norm=opt("post_attention_norm.weight"),
                          post_ffw_norm=opt("post_ffw_norm.weight"))
         if self.config.rules.ffn == "moe":
@@ -593,7 +597,7 @@ class DenseReference:
             p = self.layer(i)
             cos, sin = tables[self.rope_key(i)]
             window = cfg.sliding_window if cfg.is_sliding(i) else 0
-            h = rms_norm(x, p.attn_norm, cfg.eps)
+            h = rms_norm(x, p.attn_norm, cfg.eps) if rules.pre_norms else x          # olmo2: x itself
             q, k, v = matmul(h, p.wq), matmul(h, p.wk), matmul(h, p.wv)
             if p.bq is not None:                                                      # qwen2
                 q, k, v = q + p.bq, k + p.bk, v + p.bv
@@ -616,7 +620,7 @@ class DenseReference:
             if residual is not None:                                                  # granite
                 o = o * residual
             x1 = x + o
-            z = rms_norm(x1, p.ffn_norm, cfg.eps)
+            z = rms_norm(x1, p.ffn_norm, cfg.eps) if rules.pre_norms else x1
             f = ffn(z, p)
             if rules.post_norms:
                 f = rms_norm(f, p.post_ffw_norm, cfg.eps)

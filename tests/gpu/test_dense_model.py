@@ -81,6 +81,7 @@ def test_rope_variants_every_position_and_decode(variant, tmp_path, device):
 ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH added after the first six
     "smollm3": SynthDense(arch="smollm3", n_layers=4, seed=3),  # layer 3 without RoPE
     "granite": SynthDense(arch="granite", seed=3),  # its four multipliers
+    "olmo2": SynthDense(arch="olmo2", seed=3),  # post-norms only
 }
 
 
