@@ -63,6 +63,9 @@ class SynthDense:
     # multipliers): far enough from 1 (and from 1/sqrt(head_dim)) that each one shows, with the
     # layers still outweighing the scaled embedding (else the next token is the last one)
     multipliers: tuple = (0.5, 1.5, 0.2, 1.25)
+    # gemma2's attention and final logit caps (rows with softcaps): smaller than the real 50 / 30,
+    # so that the random scores and logits reach into the bend of the tanh
+    softcaps: tuple = (5.0, 15.0)
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
@@ -333,6 +336,9 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
             writer.add_uint32(f"{a}.{rules.expert_width_key}", s.n_ff)
     if rules.sliding_every or s.window_key:
         writer.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if rules.softcaps:
+        writer.add_float32(f"{a}.attn_logit_softcapping", s.softcaps[0])
+        writer.add_float32(f"{a}.final_logit_softcapping", s.softcaps[1])
     if rules.multipliers:
         for suffix, value in zip(("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),
                                  s.multipliers):

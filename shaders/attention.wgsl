@@ -5,6 +5,7 @@
 //   s_n = (q · k_n) · scale                        f32 and f16 caches (scale = 1/sqrt(qk)
 //   s_n = ((q · k8_n) · k_scale_n) · scale         int8 cache   unless the family says otherwise)
 //   o   = Σ_n softmax(s)_n · v_n   (int8: softmax_n times v_scale_n · the i8 values)
+//   with SOFTCAP > 0 each score is soft-capped first: s = tanh(s · SOFTCAP_INV) · SOFTCAP (gemma2)
 //   out[t][hq·vd + j] = o_j · σ(g_j) with GATE (g: the gate rows at gate_offset), else o_j
 //
 // over n in [lo, p], lo = p + 1 - span when p + 1 > span, else 0 (span = the sliding window, or
@@ -274,6 +275,9 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
           var score = dots[r] * params.scale;
           if (KV_MODE == KV_INT8) {
             score = (dots[r] * key_scale) * params.scale;
+          }
+          if (SOFTCAP > 0.0) {  // gemma2: tanh(s · (1 / cap)) · cap, as llama.cpp caps the scores
+            score = tanh(score * SOFTCAP_INV) * SOFTCAP;
           }
           if (row_sees(r, k)) {
             mask |= 1u << r;

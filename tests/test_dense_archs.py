@@ -45,6 +45,7 @@ def shared_facts(engine: dense_archs.ArchRules, ref: reference.ArchRules) -> dic
         "nope_every": (engine.nope_every, ref.nope_every),
         "multipliers": (engine.multipliers, ref.multipliers),
         "pre_norms": (engine.pre_norms, ref.pre_norms),
+        "softcaps": (engine.softcaps, ref.softcaps),
     }
 
 

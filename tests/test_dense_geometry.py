@@ -43,7 +43,7 @@ def test_every_architecture_reads_its_geometry(arch):
     assert g.qkv_bias == (arch == "qwen2") and not g.output_bias
     names = {name for name, _ in g.tensors()}
     assert ("blk.1.ffn_gate_exps.weight" in names) == g.is_moe and ("blk.1.ffn_gate.weight" in names) != g.is_moe
-    assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "olmo2"))
+    assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "gemma2", "olmo2"))
     assert ("blk.0.attn_norm.weight" in names) == ("blk.0.ffn_norm.weight" in names) == (arch != "olmo2")
     assert ("blk.0.attn_v.bias" in names) == (arch == "qwen2")
 
@@ -96,7 +96,28 @@ def test_gemma3_layers_alternate_five_sliding_one_global():
     assert [i for i in range(18) if g.is_global(i)] == [5, 11, 17]
     assert g.sliding_window == 8
     assert g.rope(0) == (10000.0, 1.0) and g.rope(5) == (1e6, 1.0)
-    assert all(geometry_of(dense_gguf(a)).is_global(0) for a in ARCHS if a != "gemma3")
+    assert all(geometry_of(dense_gguf(a)).is_global(0) for a in ARCHS if not ARCHITECTURES[a].sliding_every)
+
+
+def test_gemma2_alternates_sliding_layers_with_one_rope_and_reads_its_caps():
+    """llama.cpp's gemma2: layers 0, 2, 4, ... slide; every layer takes rope.freq_base (and its
+    scaling); the caps default to 50 / 30 and are read from the file; 46 layers (the 27B) scale
+    queries by 1/sqrt(d / n_head)."""
+    from needle_wgpu.models.dense import attention_shape
+
+    keys = {"gemma2.rope.freq_base": (G.FLOAT32, 1e4), "gemma2.rope.scaling.type": (G.STRING, "linear"),
+            "gemma2.rope.scaling.factor": (G.FLOAT32, 2.0)}
+    g = geometry_of(dense_gguf("gemma2", layers=6, keys=keys))
+    assert [i for i in range(6) if g.is_global(i)] == [1, 3, 5]
+    assert {g.rope(i) for i in range(6)} == {(1e4, 0.5)}
+    assert attention_shape(g, 0).window == 8 and attention_shape(g, 1).window is None
+    assert attention_shape(g, 0).frequencies() == attention_shape(g, 1).frequencies()
+    assert (g.attn_softcap, g.final_softcap) == (50.0, 30.0) and attention_shape(g, 0).softcap == 50.0
+    caps = {"gemma2.attn_logit_softcapping": (G.FLOAT32, 20.0), "gemma2.final_logit_softcapping": (G.FLOAT32, 15.0)}
+    g = geometry_of(dense_gguf("gemma2", keys=caps))
+    assert (g.attn_softcap, g.final_softcap) == (20.0, 15.0) and g.attention_scale == 0.25
+    assert geometry_of(dense_gguf("gemma2", layers=46, d=64, heads=4, head_dim=32)).attention_scale == 0.25
+    assert geometry_of(dense_gguf("gemma3", keys=caps)).attn_softcap == 0.0  # other rows do not read them
 
 
 def test_linear_rope_scaling_applies_to_gemma3_global_layers_only():

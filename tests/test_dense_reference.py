@@ -65,6 +65,9 @@ SYNTH = {
     "granite": (SynthDense(arch="granite"), "bytes"),
     # olmo2: no pre-norms, post-norms, full-width q/k norms (GQA 4/2), untied head.
     "olmo2": (SynthDense(arch="olmo2"), "bytes"),
+    # gemma2: 4 layers (0 and 2 slide, window 4), head_dim 32 != d / n_head, scores capped at 5
+    # and logits at 15 (synth_gguf's caps, so the random values reach the bend of the tanh).
+    "gemma2": (SynthDense(arch="gemma2", n_layers=4, head_dim=32, sliding_window=4), "bytes"),
 }
 # the engine's session context in the llama.cpp comparisons: llama.cpp's (a LongRoPE file picks
 # its factors by it)
@@ -405,7 +408,7 @@ def test_synthetic_f32_copy_matches_llamacpp_to_rounding(synth_models, tmp_path,
     from llamacpp_oracle import LlamaCppOracle
 
     model = synth_models[arch]  # the quantised file: its dequantised values are the copy's
-    if arch == "gemma3":
+    if model.config.rules.ffn == "gelu":  # gemma3, gemma2
         model = DenseReference(model.weights)  # a fresh one: its FFN is replaced below
         monkeypatch.setitem(dense_reference.FFNS, "gelu", ggml_table_gelu_ffn)
     server = LlamaCppOracle(write_f32_copy(model.weights.reader, tmp_path / f"{arch}-f32.gguf"))
@@ -448,6 +451,7 @@ RULE_SWAPS = {
     "smollm3": {"nope_every": 0},
     "granite": {"multipliers": False},
     "olmo2": {"post_norms": False},
+    "gemma2": {"softcaps": ()},
 }
 
 

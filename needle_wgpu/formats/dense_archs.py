@@ -45,7 +45,8 @@ class ArchRules:
                                       # the residual stream itself and the file has neither (olmo2)
     sliding_every: int = 0            # n > 0: layer il is global when il % n == n − 1, else sliding
                                       # (attention.sliding_window wide)
-    local_rope_base: float = 0.0      # the sliding layers' RoPE base, unscaled (not in the file; §1)
+    local_rope_base: float = 0.0      # the sliding layers' RoPE base, unscaled (not in the file; §1); 0: the
+                                      # global layers' RoPE on every layer (gemma2)
     d_query_scale_layers: int = 0     # a model of exactly this many layers scales queries by
                                       # 1/sqrt(d / n_head), not 1/sqrt(key_length) (Gemma 3 27B, §3)
     rope_scalings: tuple = ROPE_SCALINGS  # the rope.scaling.type values accepted
@@ -59,6 +60,9 @@ class ArchRules:
                                       # "ignored" as llama.cpp ignores it (llama; a warning says so), or
                                       # "refused" where llama.cpp would apply a pattern not implemented
                                       # here (olmo2: OLMo 3's sliding layers)
+    softcaps: tuple = ()              # (attention, final) logit soft-capping, llama.cpp's defaults of
+                                      # attn_logit_softcapping / final_logit_softcapping (gemma2: 50, 30):
+                                      # s = tanh(s / cap) · cap on the scores and on the logits
     multipliers: bool = False         # granite: embedding_scale, residual_scale, attention.scale (0 or absent:
                                       # none) and logit_scale (required) scale the embedding rows, each
                                       # sublayer's output before its residual add, the scores and the logits (÷)
@@ -74,6 +78,10 @@ ARCHITECTURES = {
     # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there.
     "gemma3": ArchRules(qk_norm="head", activation="gelu_tanh", embedding_scale=True, post_norms=True,
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
+    # llama.cpp's src/models/gemma2-iswa.cpp: gemma3's frame without q/k norms, every other layer
+    # sliding (same RoPE), scores and logits soft-capped; the 27B (46 layers) scales by d / n_head.
+    "gemma2": ArchRules(activation="gelu_tanh", embedding_scale=True, post_norms=True, sliding_every=2,
+                        d_query_scale_layers=46, softcaps=(50.0, 30.0)),
     # llama.cpp's src/models/smollm3.cpp: the llama graph, every 4th layer without RoPE.
     "smollm3": ArchRules(rope_style="adjacent", qkv_bias="optional", nope_every=4),
     # llama.cpp's src/models/granite.cpp: llama's graph and four multipliers from the file.

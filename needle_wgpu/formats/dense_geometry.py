@@ -64,6 +64,8 @@ class DenseGeometry:
     attention_multiplier: float = 0.0  # granite's attention.scale: the score scale (0: 1/sqrt(key_length))
     logit_scale: float = 0.0  # granite's logit_scale: logits · f32(1 / it) (0: none)
     declared_window: int = 0  # attention.sliding_window of a row without sliding layers (not applied)
+    attn_softcap: float = 0.0  # gemma2's attn_logit_softcapping (0: none)
+    final_softcap: float = 0.0  # gemma2's final_logit_softcapping (0: none)
 
     # ------------------------------------------------------------------ derived (§1, §3)
     @property
@@ -137,9 +139,13 @@ class DenseGeometry:
         every = self.rules.nope_every
         return every == 0 or (layer + 1) % every != 0
 
+    def local_rope(self, layer: int) -> bool:
+        """Whether a layer takes the sliding layers' own RoPE (gemma3's; gemma2's is the global one)."""
+        return not self.is_global(layer) and self.rules.local_rope_base > 0
+
     def rope(self, layer: int) -> tuple:
         """(freq_base, freq_scale) of one layer's RoPE."""
-        if self.is_global(layer):
+        if not self.local_rope(layer):
             return self.rope_base, self.rope_freq_scale
         return self.rules.local_rope_base, 1.0
 
@@ -164,7 +170,7 @@ class DenseGeometry:
         """(f32 frequency table, or None for the plain base/scale one; cos/sin magnitude) of one
         layer in a session of ``context`` positions: llama.cpp's ggml_rope_ext arguments folded
         into one frequency per pair (``rope.scaled_frequencies``, ``rope.rope_magnitude``)."""
-        if not self.is_global(layer):
+        if self.local_rope(layer):
             return None, 1.0  # gemma3's sliding layers: the local base, unscaled
         factors = self.frequency_factors(context)
         ext_factor = 1.0 if self.rope_scaling == "yarn" else 0.0
@@ -295,6 +301,9 @@ class DenseGeometry:
             rope_factors=tuple((stem, _factors(f, f"{stem}.weight", rope_dims)) for stem in rules.rope_factor_tensors
                                if f"{stem}.weight" in f),
             **(_multipliers(f, key) if rules.multipliers else {}),
+            **({"attn_softcap": _real(f, key("attn_logit_softcapping"), rules.softcaps[0], 1e-3, 1e6),
+                "final_softcap": _real(f, key("final_logit_softcapping"), rules.softcaps[1], 1e-3, 1e6)}
+               if rules.softcaps else {}),
         )
         geometry._validate(key)
         geometry._check_tensors(f)

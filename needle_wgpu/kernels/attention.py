@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import KV_CQ_GROUP, inv_sqrt, pio2_parts, rope_frequencies
+from ..constants import KV_CQ_GROUP, f32, inv_sqrt, pio2_parts, rope_frequencies
 from ..errors import DeviceLimitError, UnsupportedModelError
 from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
 
@@ -74,6 +74,7 @@ class AttentionShape:
     bias: bool = False
     gate: bool = False
     conv_taps: int = 0
+    softcap: float = 0.0  # > 0: scores soft-capped, tanh(s · f32(1/cap)) · cap, before the softmax (gemma2)
 
     def __post_init__(self):
         if self.rope not in ROPE_STYLES or self.norm not in NORM_KINDS:
@@ -385,7 +386,8 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     n mod slots; scores (q·k)·scale (int8: ((q·k8)·k_scale)·scale; f16: the halves widened to
     f32, summed in the f32 mode's order; scale = ``shape.score_scale``), max-subtracted softmax
     (online over blocks of 256 keys), values weighted by the softmax (int8: the i8 values times
-    v_scale). Every ``KvCache`` mode is read; Needle 3 uses f32 or int8, the dense family f32 or
+    v_scale; with ``shape.softcap`` each score becomes tanh(s · f32(1/cap)) · cap first). Every
+    ``KvCache`` mode is read; Needle 3 uses f32 or int8, the dense family f32 or
     f16.
 
     The work is tiled (``tiling``, attention.wgsl): each workgroup takes a tile of
@@ -424,7 +426,8 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
               ("QK_DIM", sh.qk_dim), ("K_ROW", cache.k_row), ("V_DIM", sh.v_dim), ("V_ROW", cache.v_row),
               ("QUADS", quads), ("GROUP", sh.heads // sh.kv_heads), ("HEAD_TILE", tiles.head_tile),
               ("HEAD_TILES", tiles.head_tiles), ("QUERY_TILE", tiles.query_tile), ("BLOCK", BLOCK),
-              ("SPLITS", tiles.splits), ("SPLIT_BLOCKS", tiles.split_blocks))
+              ("SPLITS", tiles.splits), ("SPLIT_BLOCKS", tiles.split_blocks),
+              ("SOFTCAP", f32(sh.softcap)), ("SOFTCAP_INV", f32(1.0 / f32(sh.softcap)) if sh.softcap else 0.0))
     key = KernelKey("attention", "partial", consts)
     params = arena.struct(
         key, heads=sh.heads, kv_heads=sh.kv_heads, span=cache.span, cache_slots=cache.slots, positions=positions,

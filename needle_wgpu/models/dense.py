@@ -141,7 +141,7 @@ def attention_shape(g: DenseGeometry, layer: int, context: int | None = None) ->
         rotary_dims=g.rope_dims, rope_base=base, rope_scale=scale, rope_table=table, rope_mscale=magnitude,
         scale=f32(g.attention_scale),
         norm=g.qk_norm or "none", eps=g.rms_eps,
-        bias=g.qkv_bias)
+        bias=g.qkv_bias, softcap=g.attn_softcap)
 
 
 class _Vectors:
@@ -351,9 +351,10 @@ class DenseSession(ChunkedSession):
         if g.output_bias:
             norm_ops.add_bias(plan, arena, y=self.logits, bias=vec, width=g.head_rows, positions=scored,
                               bias_at=m.vector("output.bias"), label="output.bias")
-        if g.logit_scale:  # granite: logits · f32(1 / logit_scale), as llama.cpp's ggml_scale
+        if g.logit_scale or g.final_softcap:  # granite: logits · f32(1 / logit_scale); gemma2: capped
             norm_ops.scale_softcap(plan, arena, y=self.logits, width=g.head_rows, positions=scored,
-                                   scale=f32(1.0 / f32(g.logit_scale)), label="logit_scale")
+                                   scale=f32(1.0 / f32(g.logit_scale)) if g.logit_scale else None,
+                                   cap=g.final_softcap or None, label="logit scale / softcap")
         if key.sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,

@@ -53,13 +53,16 @@ class ArchRules:
     pre_norms: bool = True           # False: no attn_norm / ffn_norm, the sublayers read x itself (olmo2)
     expert_width_key: str | None = None  # MoE: one expert's width key when not feed_forward_length
     sliding_every: int = 0           # n > 0: layer il is global when il % n == n − 1, else sliding
-    local_rope_base: float = 0.0     # the sliding layers' RoPE base (not in the file; §1)
+    local_rope_base: float = 0.0     # the sliding layers' RoPE base (not in the file; §1); 0: the global
+                                     # RoPE on the sliding layers too (gemma2)
     d_query_scale_layers: int = 0    # n > 0: a model of n layers scales queries by 1/sqrt(d / n_head)
     rope_factor_tensors: tuple = ()  # frequency-factor tensors read when present: rope_freqs (Llama 3,
                                      # llama.cpp's llama.cpp graph) or LongRoPE's long / short pair (phi3)
     fused: bool = False              # phi3: attn_qkv rows [q | k | v], ffn_up rows [gate | up]
     nope_every: int = 0              # n > 0: layers with (il + 1) % n == 0 take no RoPE (smollm3: 4,
                                      # hard-coded in llama.cpp's loader, not a key of the file)
+    softcaps: tuple = ()             # gemma2: (attention, final) logit soft-capping defaults, read from
+                                     # attn_logit_softcapping / final_logit_softcapping
     multipliers: bool = False        # granite: embedding_scale, residual_scale, attention.scale and
                                      # logit_scale from the file (llama.cpp's granite.cpp)
 
@@ -75,6 +78,10 @@ ARCHITECTURES = {
     # its 27B (62 layers) is the one Gemma 3 whose query scale is 1/sqrt(d / n_head).
     "gemma3": ArchRules(rope.NEOX, qk_norm="head", ffn="gelu", embedding_scale=True, post_norms=True,
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
+    # llama.cpp's src/models/gemma2-iswa.cpp: embedding · sqrt(d), post-norms, GELU, layers 0, 2, 4
+    # ... sliding with the global RoPE, scores and logits capped by tanh(x / cap) · cap.
+    "gemma2": ArchRules(rope.NEOX, ffn="gelu", embedding_scale=True, post_norms=True, sliding_every=2,
+                        d_query_scale_layers=46, softcaps=(50.0, 30.0)),
     # llama.cpp's src/models/smollm3.cpp: llama's graph; q and k of every 4th layer are not rotated.
     "smollm3": ArchRules(rope.ADJACENT, nope_every=4),
     # llama.cpp's src/models/granite.cpp: x = row · embedding_scale; each sublayer's output times
@@ -120,6 +127,8 @@ class DenseConfig:
     residual_multiplier: float = 0.0
     attention_multiplier: float = 0.0
     logit_scale: float = 0.0
+    attn_softcap: float = 0.0   # gemma2 (0: none)
+    final_softcap: float = 0.0
 
     @property
     def rules(self) -> ArchRules:
@@ -146,8 +155,9 @@ class DenseConfig:
         return not every or (layer + 1) % every != 0
 
     def layer_rope(self, layer: int) -> tuple[float, float]:
-        """(freq_base, linear scale) of one layer: sliding layers use the local base, unscaled."""
-        if self.is_sliding(layer):
+        """(freq_base, linear scale) of one layer: gemma3's sliding layers use the local base,
+        unscaled (gemma2's the global RoPE)."""
+        if self.is_sliding(layer) and self.rules.local_rope_base:
             return self.rules.local_rope_base, 1.0
         return self.rope_base, self.rope_scale
 
@@ -211,7 +221,16 @@ class DenseConfig:
                    rope_orig_context=int(key("rope.scaling.original_context_length", 0)),
                    rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
                    yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)),
-                   **(_multipliers(key, bad) if ARCHITECTURES[arch].multipliers else {}))
+                   **(_multipliers(key, bad) if ARCHITECTURES[arch].multipliers else {}),
+                   **_softcaps(key, ARCHITECTURES[arch].softcaps))
+
+
+def _softcaps(key, defaults: tuple) -> dict:
+    """gemma2's attention and final logit caps, llama.cpp's defaults (50, 30) where absent."""
+    if not defaults:
+        return {}
+    return {"attn_softcap": float(key("attn_logit_softcapping", defaults[0])),
+            "final_softcap": float(key("final_logit_softcapping", defaults[1]))}
 
 
 def _multipliers(key, bad) -> dict:
@@ -295,8 +314,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     return out
 
 
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """tanh(x · (1/cap)) · cap with llama.cpp's f32 constants (gemma2's score and logit caps)."""
+    one = x.dtype.type
+    cap32 = np.float32(cap)
+    return np.tanh(x * one(np.float32(1) / cap32)) * one(cap32)
+
+
 def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
-                     scale: float, window: int = 0) -> np.ndarray:
+                     scale: float, window: int = 0, cap: float = 0.0) -> np.ndarray:
     """Causal GQA attention (§3.2). q [T, H, hd] at absolute `positions`; keys [S, KV, hd] and
     values [S, KV, vd] hold positions 0..S−1. Query head h reads kv head h // (H / KV); the
     query at pos sees keys s <= pos (with a `window` > 0 only pos − window < s <= pos, §3
@@ -311,6 +337,8 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positi
             k = np.ascontiguousarray(keys[first: pos + 1, g])
             v = np.ascontiguousarray(values[first: pos + 1, g])
             scores = np.einsum("hd,sd->hs", q[t, hs], k) * q.dtype.type(scale)
+            if cap:                                                                   # gemma2
+                scores = softcap(scores, cap)
             out[t, hs] = np.einsum("hs,sd->hd", softmax(scores), v)
     return out
 
@@ -508,7 +536,7 @@ class DenseReference:
         0.1·ln(1/s) + 1 (or mscale(1) / mscale(yarn_log_multiplier))."""
         cfg = self.config
         base, scale = cfg.layer_rope(layer)
-        if cfg.is_sliding(layer):
+        if cfg.is_sliding(layer) and cfg.rules.local_rope_base:
             return base, scale, None, False, 1.0
         present = [n for n in cfg.rules.rope_factor_tensors if self.weights.has(f"{n}.weight")]
         factors = None
@@ -612,7 +640,7 @@ class DenseReference:
                 q = apply_rope(q, cos, sin, rules.rope_style)
                 k = apply_rope(k, cos, sin, rules.rope_style)
             keys, values = cache.extend(i, k, v)
-            attn = causal_attention(q, keys, values, positions, scale, window)
+            attn = causal_attention(q, keys, values, positions, scale, window, cfg.attn_softcap)
             o = matmul(attn.reshape(T, cfg.n_head * cfg.value_dim), p.wo)
             o = o if p.bo is None else o + p.bo
             if rules.post_norms:                                                      # gemma3
@@ -638,6 +666,8 @@ class DenseReference:
             out = out + bias
         if cfg.logit_scale:  # granite: ggml_scale by the f32 of 1 / logit_scale
             out = out * out.dtype.type(np.float32(1.0) / np.float32(cfg.logit_scale))
+        if cfg.final_softcap:  # gemma2
+            out = softcap(out, cfg.final_softcap)
         return out if logits == "all" else out[0]
 
     # ------------------------------------------------------------------ conveniences

@@ -30,6 +30,8 @@ SHAPES = {
     "gemma3": AttentionShape(4, 1, 256, 256, norm="head", scale=1 / 16),
     "gemma3-global": AttentionShape(4, 1, 64, 64, rope_base=1e6, rope_scale=0.125, norm="head", scale=1 / 8),
     "no-rope": AttentionShape(2, 2, 8, 8, rope="none", bias=True),
+    # gemma2: scores soft-capped at 50 (here 2, so the cap bends most of them)
+    "gemma2": AttentionShape(4, 2, 32, 32, scale=1 / 8, softcap=2.0),
 }
 
 
@@ -151,7 +153,8 @@ def test_rope_pairing_differs(device):
     assert rel(results[0], results[1]) > 0.1
 
 
-@pytest.mark.parametrize("name, window", [("qwen3", None), ("llama", 5), ("gemma3", 5), ("partial-neox", None)])
+@pytest.mark.parametrize("name, window", [("qwen3", None), ("llama", 5), ("gemma3", 5), ("partial-neox", None),
+                                          ("gemma2", 5), ("gemma2", None)])
 def test_dense_attention_prefill_and_decode(device, name, window):
     """21 positions in chunks of 8 and as 21 decode steps: both equal the reference (GQA, the
     sliding window p - window < s <= p, the shape's scale) and each other bit for bit."""
@@ -163,7 +166,11 @@ def test_dense_attention_prefill_and_decode(device, name, window):
     positions = np.arange(N)
     qh, kh, vh = layer.reference(shape, qkv, positions)
     span = N if window is None else window
-    want = ref.attend(qh, positions, (kh, vh), positions, span, scale=shape.score_scale).reshape(N, -1)
+    want = ref.attend(qh, positions, (kh, vh), positions, span, scale=shape.score_scale,
+                      softcap=shape.softcap).reshape(N, -1)
+    if shape.softcap:  # the cap changes the result
+        uncapped = ref.attend(qh, positions, (kh, vh), positions, span, scale=shape.score_scale).reshape(N, -1)
+        assert rel(uncapped, want) > 1e-2
     results = []
     for chunks in ((8, 8, 5), (1,) * N):
         runner = Runner(device, shape, layer, context=32, chunk=8)
@@ -173,7 +180,8 @@ def test_dense_attention_prefill_and_decode(device, name, window):
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
     if window is not None:  # the window changes the result (the mask is applied)
-        wide = ref.attend(qh, positions, (kh, vh), positions, N, scale=shape.score_scale).reshape(N, -1)
+        wide = ref.attend(qh, positions, (kh, vh), positions, N, scale=shape.score_scale,
+                          softcap=shape.softcap).reshape(N, -1)
         assert rel(wide, want) > 1e-3
 
 

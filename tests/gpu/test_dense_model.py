@@ -82,6 +82,8 @@ ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH 
     "smollm3": SynthDense(arch="smollm3", n_layers=4, seed=3),  # layer 3 without RoPE
     "granite": SynthDense(arch="granite", seed=3),  # its four multipliers
     "olmo2": SynthDense(arch="olmo2", seed=3),  # post-norms only
+    # soft-capped scores and logits, sliding layers 0 and 2 (the 71-token prompt wraps their ring)
+    "gemma2": SynthDense(arch="gemma2", n_layers=4, head_dim=32, sliding_window=4, seed=3),
 }
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from ... import constants
 from . import cq
 from ..ops import F32, dot_rows, head_norm, rope, sigmoid, zc_rms_norm
+from ..ops import softcap as ops_softcap
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,18 +73,23 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
     return e * (F32(1) / np.sum(e, axis=-1, keepdims=True))
 
 
-def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float | None = None) -> np.ndarray:
+def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float | None = None,
+               softcap: float = 0.0) -> np.ndarray:
     """One query position over exactly its visible keys (§4.5 item 8).
 
     q [H, hd], keys [n, KV, hd], values [n, KV, vd] → [H, vd]. Query head hq reads kv head
-    ⌊hq / (H/KV)⌋; score = (q·k)·scale (default the f32 of 1/sqrt(hd)); o = Σ_n softmax_n(score)·v_n.
+    ⌊hq / (H/KV)⌋; score = (q·k)·scale (default the f32 of 1/sqrt(hd)), soft-capped when
+    ``softcap`` > 0 (dense §3, gemma2: ``ops.softcap``); o = Σ_n softmax_n(score)·v_n.
     """
     heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)
     inv_sqrt = F32(constants.inv_sqrt(head_dim) if scale is None else scale)
-    out = [dot_rows(_softmax(dot_rows(grouped[kv], keys[:, kv]) * inv_sqrt), values[:, kv].T)
-           for kv in range(kv_heads)]
+
+    def scores(kv):
+        s = dot_rows(grouped[kv], keys[:, kv]) * inv_sqrt
+        return ops_softcap(s, softcap) if softcap else s
+    out = [dot_rows(_softmax(scores(kv)), values[:, kv].T) for kv in range(kv_heads)]
     return np.concatenate(out, axis=0)
 
 
@@ -109,14 +115,14 @@ def attend_one_int8(q: np.ndarray, keys_i8: np.ndarray, key_scales: np.ndarray, 
 
 def attend(q: np.ndarray, query_positions: np.ndarray, entries: tuple, key_positions: np.ndarray,
            span: int, int8: bool = False, scale: float | None = None,
-           key_keep: np.ndarray | None = None) -> np.ndarray:
+           key_keep: np.ndarray | None = None, softcap: float = 0.0) -> np.ndarray:
     """Attention of T query positions (§4.5 item 8, §6 item 1): q [T, H, hd] → [T, H, vd].
 
     `entries` are the cached per-position arrays, aligned with `key_positions`: (keys, values)
     in f32, or (keys_i8, key_scales, values_i8, value_scales) with `int8`. Each query reads
     exactly its visible keys, so a position's result does not depend on what else is batched.
     ``scale``: the f32 score scale of an f32 cache (default 1/sqrt(hd); dense §3 lets the family
-    choose it). ``key_keep`` (bool per key): keys it marks False are never seen (the pad mask
+    choose it; ``softcap``: gemma2's score cap, f32 caches). ``key_keep`` (bool per key): keys it marks False are never seen (the pad mask
     of upstream's hidden cells, §U a); a query that sees no key gets zeros.
     """
     rows = []
@@ -129,7 +135,7 @@ def attend(q: np.ndarray, query_positions: np.ndarray, entries: tuple, key_posit
                 rows.append(np.zeros((q.shape[1], width), F32))
                 continue
         seen = tuple(entry[sees] for entry in entries)
-        rows.append(attend_one_int8(q[t], *seen) if int8 else attend_one(q[t], *seen, scale=scale))
+        rows.append(attend_one_int8(q[t], *seen) if int8 else attend_one(q[t], *seen, scale=scale, softcap=softcap))
     return np.stack(rows) if rows else np.zeros((0, q.shape[1], width), F32)
 
 
