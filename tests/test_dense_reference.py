@@ -68,6 +68,11 @@ SYNTH = {
     # gemma2: 4 layers (0 and 2 slide, window 4), head_dim 32 != d / n_head, scores capped at 5
     # and logits at 15 (synth_gguf's caps, so the random values reach the bend of the tanh).
     "gemma2": (SynthDense(arch="gemma2", n_layers=4, head_dim=32, sliding_window=4), "bytes"),
+    # phi3: fused q | k | v and gate | up, partial rotary (12 of 16 dims, as Phi-4-mini), LongRoPE's
+    # attention factor; its long factors under llama.cpp's context of 256 (original context 64),
+    # its short ones with an original context of 512.
+    "phi3": (SynthDense(arch="phi3", rope_dims=12, rope_orig_context=64, rope_attn_factor=1.19), "bytes"),
+    "phi3-short": (SynthDense(arch="phi3", rope_dims=12, rope_orig_context=512, rope_attn_factor=1.19), "bytes"),
 }
 # the engine's session context in the llama.cpp comparisons: llama.cpp's (a LongRoPE file picks
 # its factors by it)
@@ -474,6 +479,29 @@ def test_new_architecture_rules_are_llamacpps(synth_files, oracle, monkeypatch, 
         kls.append((kl_divergence(top, ours), kl_divergence(top, log_softmax(swapped_model.next_logits(ids)))))
     assert all(kl_right <= KL_SYNTH for kl_right, _ in kls), kls
     assert max(kl_swapped for _, kl_swapped in kls) > 3 * KL_SYNTH, kls
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi3-short"])
+def test_longrope_factors_switch_by_context_as_in_llamacpp(synth_files, oracle, arch):
+    """llama.cpp picks LongRoPE's long factors when its context (256 here) exceeds the original
+    one (64 for "phi3", 512 for "phi3-short"), else the short ones, whatever the positions: the
+    reference with the same session context agrees with it, with the other factors it leaves
+    the bound on at least one prompt by 3x."""
+    from llamacpp_oracle import kl_divergence
+
+    path = synth_files[arch]
+    server = oracle(path)
+    right, wrong = DenseReference(path, context=ORACLE_CONTEXT), DenseReference(path, context=ORACLE_CONTEXT)
+    orig = right.config.rope_orig_context
+    wrong.context = orig if ORACLE_CONTEXT > orig else orig + 1  # the other side of the switch
+    assert right.rope_key(0)[2] == ("rope_factors_long" if arch == "phi3" else "rope_factors_short")
+    assert wrong.rope_key(0)[2] != right.rope_key(0)[2]
+    kls = []
+    for ids in synth_prompts(right.config.vocab):
+        top = server.top_logprobs(ids, k=right.config.vocab)
+        kls.append((kl_divergence(top, log_softmax(right.next_logits(ids))),
+                    kl_divergence(top, log_softmax(wrong.next_logits(ids)))))
+    assert all(kl <= KL_SYNTH for kl, _ in kls) and max(kl for _, kl in kls) > 3 * KL_SYNTH, kls
 
 
 def test_a_llama_files_sliding_window_is_not_applied_as_in_llamacpp(tmp_path, oracle):

@@ -186,8 +186,8 @@ CASES = {
     "duplicate tensor name": (lambda: rebuilt(tensors_fn=lambda t: t + [t[1]]), E,
                               rf"tensor '{BASE_TENSORS[1][0]}': appears twice"),
     # --- the dense model (spec §1, §2)
-    "unknown architecture": (lambda: rebuilt(keys={"general.architecture": (G.STRING, "phi3")}), U,
-                             r"metadata key 'general.architecture': architecture 'phi3' is not supported"),
+    "unknown architecture": (lambda: rebuilt(keys={"general.architecture": (G.STRING, "mamba")}), U,
+                             r"metadata key 'general.architecture': architecture 'mamba' is not supported"),
     "architecture not a string": (lambda: rebuilt(keys={"general.architecture": (G.UINT32, 1)}), E,
                                   r"metadata key 'general.architecture': is u32, expected a string"),
     "no architecture": (lambda: rebuilt(keys={"general.architecture": None}), E,

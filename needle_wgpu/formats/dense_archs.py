@@ -82,6 +82,10 @@ ARCHITECTURES = {
     # sliding (same RoPE), scores and logits soft-capped; the 27B (46 layers) scales by d / n_head.
     "gemma2": ArchRules(activation="gelu_tanh", embedding_scale=True, post_norms=True, sliding_every=2,
                         d_query_scale_layers=46, softcaps=(50.0, 30.0)),
+    # llama.cpp's src/models/phi3.cpp: fused q | k | v and gate | up, LongRoPE's factors by context.
+    "phi3": ArchRules(rms_eps=1e-5, output_bias=True, rope_scalings=(*ROPE_SCALINGS, "longrope"),
+                      rope_factor_tensors=("rope_factors_long", "rope_factors_short"), fused_qkv=True,
+                      fused_gate_up=True),
     # llama.cpp's src/models/smollm3.cpp: the llama graph, every 4th layer without RoPE.
     "smollm3": ArchRules(rope_style="adjacent", qkv_bias="optional", nope_every=4),
     # llama.cpp's src/models/granite.cpp: llama's graph and four multipliers from the file.

@@ -82,6 +82,9 @@ ARCHITECTURES = {
     # ... sliding with the global RoPE, scores and logits capped by tanh(x / cap) · cap.
     "gemma2": ArchRules(rope.NEOX, ffn="gelu", embedding_scale=True, post_norms=True, sliding_every=2,
                         d_query_scale_layers=46, softcaps=(50.0, 30.0)),
+    # llama.cpp's src/models/phi3.cpp: q | k | v in attn_qkv, gate | up in ffn_up; LongRoPE's long
+    # factors when the session's context exceeds the original one, else the short ones.
+    "phi3": ArchRules(rope.NEOX, rope_factor_tensors=("rope_factors_long", "rope_factors_short"), fused=True),
     # llama.cpp's src/models/smollm3.cpp: llama's graph; q and k of every 4th layer are not rotated.
     "smollm3": ArchRules(rope.ADJACENT, nope_every=4),
     # llama.cpp's src/models/granite.cpp: x = row · embedding_scale; each sublayer's output times

@@ -84,6 +84,10 @@ ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH 
     "olmo2": SynthDense(arch="olmo2", seed=3),  # post-norms only
     # soft-capped scores and logits, sliding layers 0 and 2 (the 71-token prompt wraps their ring)
     "gemma2": SynthDense(arch="gemma2", n_layers=4, head_dim=32, sliding_window=4, seed=3),
+    # phi3, partial rotary: LongRoPE's long factors for every context here (original context 2),
+    # and its short ones (512, the reference's context too)
+    "phi3": SynthDense(arch="phi3", rope_dims=12, rope_orig_context=2, rope_attn_factor=1.19, seed=3),
+    "phi3-short": SynthDense(arch="phi3", rope_dims=12, rope_orig_context=512, rope_attn_factor=1.19, seed=3),
 }
 
 
@@ -93,7 +97,7 @@ def test_architectures_every_position_and_decode(arch, tmp_path, device):
     the reference's argmax chain, and each decode step's logits equal the prefill's row."""
     path = write_dense_gguf(tmp_path / f"{arch}.gguf", ARCHITECTURES[arch], tokenizer="bytes")
     model = needle_wgpu.load(str(path), device=device)
-    assert model.describe()["architecture"] == arch
+    assert model.describe()["architecture"] == ARCHITECTURES[arch].arch
     reference = DenseReference(path)
     vocab = model.geometry.vocab
     assert_parity(model, reference, [[i % vocab for i in ids] for ids in PROMPTS])
