@@ -105,3 +105,19 @@ def test_a_new_architecture_is_one_row_in_each_table(arch, tmp_path, monkeypatch
         DenseReference(paths[new])
     with pytest.raises(ValueError, match=f"got '{new}'"):
         SynthDense(arch=new).resolved()
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/api.md"])
+def test_the_docs_list_what_the_table_serves(doc):
+    """README.md and docs/api.md hold `supported_markdown` verbatim between their markers:
+    a row added to or changed in the table must be added to the docs (paste the function's text)."""
+    from pathlib import Path
+
+    from needle_wgpu.formats.gguf_types import SUPPORTED
+
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    begin = text.index("<!-- supported: generated from needle_wgpu/formats/dense_archs.py")
+    begin = text.index("\n", begin) + 1
+    end = text.index("\n<!-- end supported -->", begin)
+    assert text[begin:end] == dense_archs.supported_markdown(SUPPORTED)
+    assert all(f"| `{name}` |" in text for name in dense_archs.ARCHITECTURES)

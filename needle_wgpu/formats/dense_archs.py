@@ -24,6 +24,8 @@ ROPE_SCALINGS = ("none", "linear", "yarn")  # the rope.scaling.type values every
 class ArchRules:
     """What one architecture changes in the §1 keys, the §2 tensors and the §3 graph."""
 
+    models: str = ""                  # the model families whose GGUF files carry this architecture (the docs'
+                                      # supported list, `supported_markdown`)
     rope_style: str = "neox"          # "neox" pairs (x_j, x_{j+n/2}); "adjacent" pairs (x_2j, x_2j+1) (llama)
     qk_norm: str | None = None        # "head": one [key_dim] RMSNorm weight shared by the heads (qwen3);
                                       # "full": over the whole q / k row before the head split (olmoe)
@@ -69,28 +71,42 @@ class ArchRules:
 
 
 ARCHITECTURES = {
-    "llama": ArchRules(rope_style="adjacent", qkv_bias="optional", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",)),
-    "qwen2": ArchRules(qkv_bias="required", output_bias=True, tied_head=False),
-    "qwen3": ArchRules(qk_norm="head"),
-    "qwen3moe": ArchRules(qk_norm="head", moe=True, expert_width_key="expert_feed_forward_length",
+    "llama": ArchRules(models="Llama 1-3 (Llama 3's frequency factors), SmolLM2, Mistral-style files", rope_style="adjacent", qkv_bias="optional", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",)),
+    "qwen2": ArchRules(models="Qwen2, Qwen2.5", qkv_bias="required", output_bias=True, tied_head=False),
+    "qwen3": ArchRules(models="Qwen3", qk_norm="head"),
+    "qwen3moe": ArchRules(models="Qwen3-MoE", qk_norm="head", moe=True, expert_width_key="expert_feed_forward_length",
                           renormalise=True),
-    "olmoe": ArchRules(qk_norm="full", tied_head=False, output_required=True, gqa=False, moe=True),
+    "olmoe": ArchRules(models="OLMoE", qk_norm="full", tied_head=False, output_required=True, gqa=False, moe=True),
     # §3 "Gemma 3": llama.cpp's src/models/gemma3.cpp; the local base is hard-coded there.
-    "gemma3": ArchRules(qk_norm="head", activation="gelu_tanh", embedding_scale=True, post_norms=True,
+    "gemma3": ArchRules(models="Gemma 3", qk_norm="head", activation="gelu_tanh", embedding_scale=True, post_norms=True,
                         sliding_every=6, local_rope_base=10000.0, d_query_scale_layers=62),
     # llama.cpp's src/models/gemma2-iswa.cpp: gemma3's frame without q/k norms, every other layer
     # sliding (same RoPE), scores and logits soft-capped; the 27B (46 layers) scales by d / n_head.
-    "gemma2": ArchRules(activation="gelu_tanh", embedding_scale=True, post_norms=True, sliding_every=2,
+    "gemma2": ArchRules(models="Gemma 2", activation="gelu_tanh", embedding_scale=True, post_norms=True, sliding_every=2,
                         d_query_scale_layers=46, softcaps=(50.0, 30.0)),
     # llama.cpp's src/models/phi3.cpp: fused q | k | v and gate | up, LongRoPE's factors by context.
-    "phi3": ArchRules(rms_eps=1e-5, output_bias=True, rope_scalings=(*ROPE_SCALINGS, "longrope"),
+    "phi3": ArchRules(models="Phi-3, Phi-3.5, Phi-4-mini", rms_eps=1e-5, output_bias=True, rope_scalings=(*ROPE_SCALINGS, "longrope"),
                       rope_factor_tensors=("rope_factors_long", "rope_factors_short"), fused_qkv=True,
                       fused_gate_up=True),
     # llama.cpp's src/models/smollm3.cpp: the llama graph, every 4th layer without RoPE.
-    "smollm3": ArchRules(rope_style="adjacent", qkv_bias="optional", nope_every=4),
+    "smollm3": ArchRules(models="SmolLM3", rope_style="adjacent", qkv_bias="optional", nope_every=4),
     # llama.cpp's src/models/granite.cpp: llama's graph and four multipliers from the file.
-    "granite": ArchRules(rope_style="adjacent", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",), multipliers=True),
+    "granite": ArchRules(models="Granite 3", rope_style="adjacent", rms_eps=1e-5, rope_factor_tensors=("rope_freqs",), multipliers=True),
     # llama.cpp's src/models/olmo2.cpp: no pre-norms, post-norms, full-width q/k norms, untied head.
-    "olmo2": ArchRules(qk_norm="full", tied_head=False, output_required=True, post_norms=True, pre_norms=False,
+    "olmo2": ArchRules(models="OLMo 2", qk_norm="full", tied_head=False, output_required=True, post_norms=True, pre_norms=False,
                        declared_window="refused"),
 }
+
+
+def supported_markdown(tensor_types: tuple) -> str:
+    """The supported architectures and tensor types as the docs list them (README.md and
+    docs/api.md hold this text between ``<!-- supported: ... -->`` markers; tests/test_dense_archs.py
+    checks that they do): one line per row of ``ARCHITECTURES``, in its order."""
+    lines = ["| `general.architecture` | models | RoPE scaling |", "|---|---|---|"]
+    for name, rules in ARCHITECTURES.items():
+        scalings = ", ".join(rules.rope_scalings)
+        if rules.rope_factor_tensors:
+            scalings += "; " + " / ".join(f"`{stem}`" for stem in rules.rope_factor_tensors)
+        lines.append(f"| `{name}` | {rules.models} | {scalings} |")
+    lines += ["", "Tensor types, served in their own bits: " + ", ".join(tensor_types) + "."]
+    return "\n".join(lines)
