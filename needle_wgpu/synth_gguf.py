@@ -66,6 +66,10 @@ class SynthDense:
     # gemma2's attention and final logit caps (rows with softcaps): smaller than the real 50 / 30,
     # so that the random scores and logits reach into the bend of the tanh
     softcaps: tuple = (5.0, 15.0)
+    # lfm2 (rows with short_conv): its short-convolution layers (None: the even ones, 0, 2, ...)
+    # and their taps (shortconv.l_cache)
+    conv_layers: tuple | None = None
+    conv_taps: int = 3
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
     head_scale: float = 0.6     # untied head rows
@@ -102,7 +106,11 @@ class SynthDense:
                              "without RoPE")
         # e.g. llama.cpp's olmoe loader wants attn_k_norm [d]: no GQA (OLMoE has none)
         kv_heads = self.n_head_kv if rules.gqa else self.n_head
-        return replace(self, tied=tied, eps=eps, n_head_kv=kv_heads)
+        conv = (tuple(range(0, self.n_layers, 2)) if self.conv_layers is None else tuple(self.conv_layers)) \
+            if rules.short_conv else ()
+        if len(conv) == self.n_layers:
+            raise ValueError("a file needs one attention layer or more")
+        return replace(self, tied=tied, eps=eps, n_head_kv=kv_heads, conv_layers=conv)
 
 
 # ---------------------------------------------------------------------------------- tokenizer
@@ -242,7 +250,7 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(s.seed)
     vocab = len(tokens)
     d, q_width, kv_width = s.d, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-    t = {"token_embd.weight": _matrix(rng, vocab, d, s.embed_scale), "output_norm.weight": _norm(rng, d)}
+    t = {"token_embd.weight": _matrix(rng, vocab, d, s.embed_scale), f"{rules.output_norm}.weight": _norm(rng, d)}
     if not s.tied:
         t["output.weight"] = _matrix(rng, vocab, d, s.head_scale)
     if s.output_bias:
@@ -294,6 +302,12 @@ def dense_tensors(spec: SynthDense, tokens: list[str]) -> dict[str, np.ndarray]:
             t[b + "attn_qkv.weight"] = np.concatenate([t.pop(b + f"attn_{x}.weight") for x in "qkv"])
         if rules.fused_gate_up:  # gate | up rows in ffn_up
             t[b + "ffn_up.weight"] = np.concatenate([t.pop(b + "ffn_gate.weight"), t.pop(b + "ffn_up.weight")])
+        if i in s.conv_layers:  # lfm2: the short-convolution block replaces attention's tensors
+            for name in ("attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output"):
+                t.pop(b + name + ".weight")
+            t[b + "shortconv.conv.weight"] = (rng.standard_normal((d, s.conv_taps)) * 0.6).astype(np.float32)
+            t[b + "shortconv.in_proj.weight"] = _matrix(rng, 3 * d, d, 1 / np.sqrt(d))
+            t[b + "shortconv.out_proj.weight"] = _matrix(rng, d, d, s.layer_gain / np.sqrt(d))
         if rules.post_norms:
             # The post-norms set each branch's RMS to their weights' size; the residual stream
             # starts at embed_scale (· sqrt(d) where the embedding is scaled): weights of
@@ -331,7 +345,12 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
     writer.add_uint32(f"{a}.embedding_length", s.d)
     writer.add_uint32(f"{a}.feed_forward_length", s.n_ff)
     writer.add_uint32(f"{a}.attention.head_count", s.n_head)
-    writer.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    if s.conv_layers:  # lfm2: one entry per layer, 0 for the convolution blocks
+        writer.add_array(f"{a}.attention.head_count_kv",
+                         [0 if i in s.conv_layers else s.n_head_kv for i in range(s.n_layers)])
+        writer.add_uint32(f"{a}.shortconv.l_cache", s.conv_taps)
+    else:
+        writer.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
     writer.add_uint32(f"{a}.attention.key_length", s.head_dim)
     writer.add_uint32(f"{a}.attention.value_length", s.head_dim)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.eps)
@@ -362,7 +381,8 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():
-        if value.ndim == 1 or qtype == GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
+        if value.ndim == 1 or qtype == GGMLQuantizationType.F32 or name.endswith(("ffn_gate_inp.weight",
+                                                                                  "shortconv.conv.weight")):
             writer.add_tensor(name, value)
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, value.astype(np.float16))

@@ -131,6 +131,8 @@ def dense_kvs(arch: str, *, layers, d, heads, kv_heads, head_dim, ff, vocab, con
             kvs.append((k + rules.expert_width_key, G.UINT32, ff))
     if rules.sliding_every:
         kvs.append((k + "attention.sliding_window", G.UINT32, 8))
+    if rules.short_conv:  # lfm2: its taps (a scalar head_count_kv: every layer attends)
+        kvs.append((k + "shortconv.l_cache", G.UINT32, 3))
     if rules.multipliers:  # granite: only logit_scale is required
         kvs.append((k + "logit_scale", G.FLOAT32, 8.0))
     if tokenizer:

@@ -46,6 +46,8 @@ def shared_facts(engine: dense_archs.ArchRules, ref: reference.ArchRules) -> dic
         "multipliers": (engine.multipliers, ref.multipliers),
         "pre_norms": (engine.pre_norms, ref.pre_norms),
         "softcaps": (engine.softcaps, ref.softcaps),
+        "short_conv": (engine.short_conv, ref.short_conv),
+        "output_norm": (engine.output_norm, ref.output_norm),
     }
 
 

@@ -34,7 +34,7 @@ def test_every_architecture_reads_its_geometry(arch):
     assert abs(g.rms_eps - 1e-6) < 1e-12 and g.attention_scale == 0.25
     assert g.rope_neox == (arch not in ADJACENT_ROPE)
     assert g.qk_norm == {"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "full",
-                         "olmo2": "full"}.get(arch, "")
+                         "olmo2": "full", "lfm2": "head"}.get(arch, "")
     assert g.is_moe == (arch in ("qwen3moe", "olmoe"))
     assert (g.num_experts, g.num_experts_used) == ((4, 2) if g.is_moe else (0, 0))
     untied = ARCHITECTURES[arch].output_required  # olmoe, olmo2
@@ -83,6 +83,31 @@ def test_olmo2_refuses_sliding_window_layers():
     with pytest.raises(UnsupportedModelError, match="olmo2.attention.sliding_window"):
         geometry_of(dense_gguf("olmo2", keys={"olmo2.attention.sliding_window": (G.UINT32, 4096)}))
     assert geometry_of(dense_gguf("olmo2", keys={"olmo2.attention.sliding_window": (G.UINT32, 0)})).arch == "olmo2"
+
+
+def test_lfm2_reads_its_convolution_layers(tmp_path):
+    """head_count_kv per layer, 0 marking a short-convolution block with its three tensors
+    (the conv weights F32, read with the vectors); the final norm is token_embd_norm."""
+    from needle_wgpu.models import dense as dense_model
+    from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+    path = write_dense_gguf(tmp_path / "lfm2.gguf", SynthDense(arch="lfm2", n_layers=5, conv_layers=(0, 1, 3)),
+                            tokenizer="bytes")
+    g = dense_model.read(str(path)).geometry
+    assert (g.conv_layers, g.conv_taps, g.num_kv_heads) == ((0, 1, 3), 3, 2)
+    assert [g.is_conv(i) for i in range(5)] == [True, True, False, True, False]
+    names = dict(g.tensors())
+    assert names["blk.1.shortconv.conv.weight"] == (3, 64) and names["blk.1.shortconv.in_proj.weight"] == (64, 192)
+    assert "blk.1.attn_q.weight" not in names and names["blk.2.attn_q_norm.weight"] == (16,)
+    assert "token_embd_norm.weight" in names and "output_norm.weight" not in names
+    assert "blk.3.shortconv.conv.weight" in g.vector_tensors()
+    assert dense_model.kv_bytes(g, 64) == 2 * 4 * 64 * 2 * 32 + 3 * 4 * (64 + 2) * 64
+    keys = {"lfm2.attention.head_count_kv": (G.ARRAY, (G.UINT32, [0, 2]))}
+    with pytest.raises(ContainerError):  # layer 0 declared a convolution block, but the file holds attention
+        geometry_of(dense_gguf("lfm2", keys=keys))
+    keys = {"lfm2.attention.head_count_kv": (G.ARRAY, (G.UINT32, [1, 2]))}
+    with pytest.raises(UnsupportedModelError, match="vary by layer"):
+        geometry_of(dense_gguf("lfm2", keys=keys))
 
 
 def test_qk_norm_widths_per_architecture():

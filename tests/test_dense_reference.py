@@ -73,6 +73,9 @@ SYNTH = {
     # its short ones with an original context of 512.
     "phi3": (SynthDense(arch="phi3", rope_dims=12, rope_orig_context=64, rope_attn_factor=1.19), "bytes"),
     "phi3-short": (SynthDense(arch="phi3", rope_dims=12, rope_orig_context=512, rope_attn_factor=1.19), "bytes"),
+    # lfm2: short-convolution blocks (3 taps) at layers 0 and 2, attention with per-head q/k
+    # norms at 1 and 3; every prompt is longer than the taps.
+    "lfm2": (SynthDense(arch="lfm2", n_layers=4), "bytes"),
 }
 # the engine's session context in the llama.cpp comparisons: llama.cpp's (a LongRoPE file picks
 # its factors by it)

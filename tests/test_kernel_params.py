@@ -189,4 +189,4 @@ def test_every_op_names_exactly_the_members_of_its_kernels_struct():
 def test_every_uniform_struct_of_a_kernel_is_filled_by_an_op():
     filled = {(family, struct_name) for _, _, families, struct_name, _ in struct_calls() for family in families}
     assert uniform_structs() - filled == set()
-    assert len(uniform_structs()) == 27
+    assert len(uniform_structs()) == 28

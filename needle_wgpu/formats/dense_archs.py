@@ -65,6 +65,10 @@ class ArchRules:
     softcaps: tuple = ()              # (attention, final) logit soft-capping, llama.cpp's defaults of
                                       # attn_logit_softcapping / final_logit_softcapping (gemma2: 50, 30):
                                       # s = tanh(s / cap) · cap on the scores and on the logits
+    short_conv: bool = False          # lfm2: a layer whose attention.head_count_kv entry is 0 is a gated short
+                                      # convolution block (shortconv.in_proj / conv / out_proj, shortconv.l_cache
+                                      # taps) instead of attention
+    output_norm: str = "output_norm"  # the final norm's tensor stem (lfm2: token_embd_norm, as llama.cpp names it)
     multipliers: bool = False         # granite: embedding_scale, residual_scale, attention.scale (0 or absent:
                                       # none) and logit_scale (required) scale the embedding rows, each
                                       # sublayer's output before its residual add, the scores and the logits (÷)
@@ -95,6 +99,10 @@ ARCHITECTURES = {
     # llama.cpp's src/models/olmo2.cpp: no pre-norms, post-norms, full-width q/k norms, untied head.
     "olmo2": ArchRules(models="OLMo 2", qk_norm="full", tied_head=False, output_required=True, post_norms=True, pre_norms=False,
                        declared_window="refused"),
+    # llama.cpp's src/models/lfm2.cpp: short-convolution blocks mixed with GQA attention layers
+    # (per-head q/k norms); the final norm is token_embd_norm.
+    "lfm2": ArchRules(models="LFM2", qk_norm="head", rms_eps=1e-5, short_conv=True, output_norm="token_embd_norm",
+                      declared_window="refused"),
 }
 
 

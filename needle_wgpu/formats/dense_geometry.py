@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..errors import ContainerError, UnsupportedModelError
 from ..rope import rope_magnitude, scaled_frequencies
 from .dense_archs import ARCHITECTURES, ArchRules
-from .gguf import ARRAY, REQUIRED, STRING, GgufFile
+from .gguf import ARRAY, INT_TYPES, REQUIRED, STRING, GgufFile
 from .gguf_types import require_supported
 
 MAX_DIM = 1 << 20
@@ -64,6 +64,8 @@ class DenseGeometry:
     attention_multiplier: float = 0.0  # granite's attention.scale: the score scale (0: 1/sqrt(key_length))
     logit_scale: float = 0.0  # granite's logit_scale: logits · f32(1 / it) (0: none)
     declared_window: int = 0  # attention.sliding_window of a row without sliding layers (not applied)
+    conv_layers: tuple = ()  # lfm2: the layers that are short-convolution blocks (head_count_kv 0)
+    conv_taps: int = 0  # lfm2: shortconv.l_cache, the convolution's taps
     attn_softcap: float = 0.0  # gemma2's attn_logit_softcapping (0: none)
     final_softcap: float = 0.0  # gemma2's final_logit_softcapping (0: none)
 
@@ -134,6 +136,10 @@ class DenseGeometry:
         every = self.rules.sliding_every
         return every == 0 or layer % every == every - 1
 
+    def is_conv(self, layer: int) -> bool:
+        """Whether a layer is a gated short-convolution block (lfm2) rather than attention."""
+        return layer in self.conv_layers
+
     def has_rope(self, layer: int) -> bool:
         """Whether a layer rotates q and k (smollm3's NoPE layers do not)."""
         every = self.rules.nope_every
@@ -189,6 +195,10 @@ class DenseGeometry:
             projections = [("attn_qkv", (d, self.q_dim + self.k_dim + self.v_dim))]
         else:
             projections = [("attn_q", (d, self.q_dim)), ("attn_k", (d, self.k_dim)), ("attn_v", (d, self.v_dim))]
+        if self.is_conv(layer):  # lfm2: the block's three tensors instead of attention's
+            out = [("attn_norm", (d,)), ("shortconv.conv", (self.conv_taps, d)), ("shortconv.in_proj", (d, 3 * d)),
+                   ("shortconv.out_proj", (d, d)), ("ffn_norm", (d,))]
+            return [(f"blk.{layer}.{name}.weight", ne) for name, ne in out + self._ffn_tensors()]
         out = [("attn_norm", (d,)), *projections, ("attn_output", (self.attn_out, d)), ("ffn_norm", (d,))]
         if not self.rules.pre_norms:  # olmo2
             out = [entry for entry in out if entry[0] not in ("attn_norm", "ffn_norm")]
@@ -201,15 +211,23 @@ class DenseGeometry:
             out += [("attn_q_norm", (self.q_dim,)), ("attn_k_norm", (self.k_dim,))]
         if self.rules.post_norms:
             out += [("post_attention_norm", (d,)), ("post_ffw_norm", (d,))]
-        if self.is_moe:
-            out += [("ffn_gate_inp", (d, n_exp)), ("ffn_gate_exps", (d, ff, n_exp)),
-                    ("ffn_up_exps", (d, ff, n_exp)), ("ffn_down_exps", (ff, d, n_exp))]
-        elif self.rules.fused_gate_up:
-            out += [("ffn_up", (d, 2 * ff)), ("ffn_down", (ff, d))]
-        else:
-            out += [("ffn_gate", (d, ff)), ("ffn_up", (d, ff)), ("ffn_down", (ff, d))]
+        out += self._ffn_tensors()
         return [(f"blk.{layer}.{name}" + ("" if name.endswith(".bias") else ".weight"), ne)
                 for name, ne in out]
+
+    def _ffn_tensors(self) -> list:
+        d, ff, n_exp = self.d_model, self.ff_dim, self.num_experts
+        if self.is_moe:
+            return [("ffn_gate_inp", (d, n_exp)), ("ffn_gate_exps", (d, ff, n_exp)),
+                    ("ffn_up_exps", (d, ff, n_exp)), ("ffn_down_exps", (ff, d, n_exp))]
+        if self.rules.fused_gate_up:
+            return [("ffn_up", (d, 2 * ff)), ("ffn_down", (ff, d))]
+        return [("ffn_gate", (d, ff)), ("ffn_up", (d, ff)), ("ffn_down", (ff, d))]
+
+    def vector_tensors(self) -> list:
+        """The F32 tensors the graph reads from one buffer: norms, biases, frequency factors and
+        lfm2's [d][taps] convolution weights."""
+        return [name for name, ne in self.tensors() if _is_vector(name, ne)]
 
     def tensors(self) -> list:
         """(name, ne) of every tensor the graph reads, in a fixed order."""
@@ -218,7 +236,7 @@ class DenseGeometry:
     def _tensor_groups(self):
         """The model-wide tensors, then one list per layer (checked a layer at a time, so a file
         claiming 1024 layers fails at its first missing tensor without listing them all)."""
-        out = [("token_embd.weight", (self.d_model, self.vocab)), ("output_norm.weight", (self.d_model,))]
+        out = [("token_embd.weight", (self.d_model, self.vocab)), (f"{self.rules.output_norm}.weight", (self.d_model,))]
         if not self.tied_head:
             out.append(("output.weight", (self.d_model, self.vocab)))
         if self.output_bias:
@@ -272,12 +290,14 @@ class DenseGeometry:
                 _bad("metadata key 'tokenizer.ggml.tokens'", "is not an array of strings")
             if len(tokens.value) != vocab:
                 _bad("metadata key 'tokenizer.ggml.tokens'", f"{len(tokens.value)} tokens for a vocabulary of {vocab}")
+        num_layers = _count(f, key("block_count"), hi=MAX_LAYERS)
+        num_kv_heads, conv_layers, conv_taps = _kv_heads(f, key, num_heads, num_layers, rules.short_conv)
         if rules.output_required and "output.weight" not in f:
             _bad("tensor 'output.weight'", f"missing ({arch} has no tied head)")
         geometry = cls(
-            arch=arch, num_layers=_count(f, key("block_count"), hi=MAX_LAYERS), d_model=d,
-            ff_dim=ff_dim, num_heads=num_heads,
-            num_kv_heads=_count(f, key("attention.head_count_kv"), default=num_heads),
+            arch=arch, num_layers=num_layers, d_model=d,
+            ff_dim=ff_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            conv_layers=conv_layers, conv_taps=conv_taps,
             key_dim=key_dim, value_dim=_count(f, key("attention.value_length"), default=key_dim),
             rope_dims=rope_dims,
             rope_base=_real(f, key("rope.freq_base"), 10000.0, 1.0, 1e12),
@@ -343,14 +363,39 @@ class DenseGeometry:
                 if tensor.ne != ne:
                     _bad(f"tensor {name!r}", f"ne {list(tensor.ne)} disagrees with the metadata (expected {list(ne)})")
                 require_supported(tensor.type, f"tensor {name!r}")
-                if len(ne) == 1 and tensor.type.name != "F32":
-                    raise UnsupportedModelError(f"tensor {name!r}: a {tensor.type.name} vector (norms and biases "
-                                                "must be F32)")
+                if _is_vector(name, ne) and tensor.type.name != "F32":
+                    raise UnsupportedModelError(f"tensor {name!r}: a {tensor.type.name} vector (norms, biases and "
+                                                "convolution weights must be F32)")
         used = {name for name, _ in self.tensors()}  # each one is in the file now: bounded by it
         for name in f.tensors:
             if name not in used:
                 raise UnsupportedModelError(f"tensor {name!r}: not part of the {self.arch} graph this engine "
                                             "implements")
+
+
+def _is_vector(name: str, ne: tuple) -> bool:
+    """A tensor read as F32 values (``DenseGeometry.vector_tensors``)."""
+    return len(ne) == 1 or name.endswith(".shortconv.conv.weight")
+
+
+def _kv_heads(f: GgufFile, key, num_heads: int, num_layers: int, short_conv: bool) -> tuple:
+    """(kv heads, short-convolution layers, taps): head_count_kv as llama.cpp reads it. lfm2
+    (``short_conv``) may give one entry per layer, 0 marking a convolution block; the attention
+    layers must then share one count."""
+    name = key("attention.head_count_kv")
+    entry = f.fields.get(name)
+    if not short_conv or entry is None or entry.type != ARRAY:
+        return _count(f, name, default=num_heads), (), _count(f, key("shortconv.l_cache"), lo=2, hi=64) \
+            if short_conv else 0
+    if entry.item_type not in INT_TYPES or len(entry.value) != num_layers:
+        _bad(f"metadata key {name!r}", f"expected {num_layers} integers (one per layer)")
+    per_layer = [int(v) for v in entry.value]
+    attention = sorted(set(n for n in per_layer if n))
+    if len(attention) > 1 or not all(0 <= n <= num_heads for n in per_layer):
+        raise UnsupportedModelError(f"metadata key {name!r}: kv heads {attention} vary by layer (one count "
+                                    "for every attention layer is supported)")
+    conv_layers = tuple(i for i, n in enumerate(per_layer) if n == 0)
+    return (attention[0] if attention else num_heads), conv_layers, _count(f, key("shortconv.l_cache"), lo=2, hi=64)
 
 
 def _multipliers(f: GgufFile, key) -> dict:

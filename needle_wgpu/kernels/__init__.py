@@ -16,6 +16,7 @@ moe.route -> moe_router.wgsl -> dense.moe_route -> test_moe.py
 moe.routed_matmul -> q_matmul_routed.wgsl -> dense.moe_ffn -> test_moe.py
 qmatmul.q_matmul -> q_matmul.wgsl, q_matmul_rows.wgsl -> qmatmul.matmul -> test_qmatmul.py
 qmatmul.get_rows -> get_rows.wgsl -> qmatmul.get_rows -> test_qmatmul.py
+conv.short_conv -> short_conv.wgsl -> ops.short_conv -> test_short_conv.py
 attention.qk_rope -> qk_rope.wgsl -> dense_attention.position_heads -> test_attention_dense.py
 attention.qkv_post -> qkv_post.wgsl -> needle3.attention.position_heads, ops.causal_conv -> test_attention.py
 attention.attention -> attention.wgsl -> needle3.attention.attend (entry partial: tiles of queries over ranges of 256 cache slots; entry merge: the ranges' partial softmaxes, flash-decoding) -> test_attention.py, test_attention_long.py, test_kv_f16.py

@@ -36,6 +36,7 @@ from ..formats.gguf import MAGIC, GgufFile, open_gguf
 from ..formats.gguf_tokenizer import tokenizer_from_gguf
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
+from ..kernels import conv as conv_ops
 from ..kernels import ffn as ffn_ops
 from ..kernels import moe as moe_ops
 from ..kernels import norm as norm_ops
@@ -118,9 +119,13 @@ def default_context(g: DenseGeometry) -> int:
 
 
 def kv_bytes(g: DenseGeometry, context: int, mode: str = "f32") -> int:
-    """K and V for every layer at ``context`` positions (sliding layers keep a ring)."""
+    """K and V for every layer at ``context`` positions (sliding layers keep a ring; lfm2's
+    convolution blocks only their ring of recent b·x rows, always f32)."""
     total = 0
     for layer in range(g.num_layers):
+        if g.is_conv(layer):
+            total += F32 * conv_ops.ring_slots(PREFILL_CHUNK, g.conv_taps) * g.d_model * (2 if mode == "f16" else 1)
+            continue
         shape = attention_shape(g, layer)
         slots = context if shape.window is None else min(shape.window + PREFILL_CHUNK - 1, context)
         total += F32 * slots * g.num_kv_heads * (g.key_dim + g.value_dim)
@@ -176,8 +181,7 @@ class DenseGpu:
         for name in MOE_FFN[1:] if g.is_moe else ():  # every layer's experts have layer 0's size
             moe_ops.check_expert_bytes(name, f[f"blk.0.{name}.weight"].nbytes, device.limits.max_storage_binding)
         weights_before = device.counters.bytes_allocated.get("weights", 0)
-        vectors = [name for name, ne in g.tensors() if len(ne) == 1]
-        self.vectors = _Vectors(f, vectors)
+        self.vectors = _Vectors(f, g.vector_tensors())
         self.vector_buffer = device.buffer(len(self.vectors.data), label="vectors", data=self.vectors.data,
                                            kind="weights")
         self.embedding = self._upload("token_embd.weight")
@@ -188,7 +192,11 @@ class DenseGpu:
             names = lambda *parts: [f"blk.{i}.{part}.weight" for part in parts]
             # fused files (phi3) hold q | k | v and gate | up in one tensor: the same rows stacked
             qkv = names("attn_qkv") if g.rules.fused_qkv else names("attn_q", "attn_k", "attn_v")
-            weights = {"qkv": self._upload_stacked(qkv), "out": self._upload(f"blk.{i}.attn_output.weight")}
+            if g.is_conv(i):  # lfm2: in_proj [b | c | x] and out_proj in the places of qkv and attn_output
+                weights = {"qkv": self._upload_stacked(names("shortconv.in_proj")),
+                           "out": self._upload(f"blk.{i}.shortconv.out_proj.weight")}
+            else:
+                weights = {"qkv": self._upload_stacked(qkv), "out": self._upload(f"blk.{i}.attn_output.weight")}
             if g.is_moe:
                 weights.update({name: self._upload(f"blk.{i}.{name}.weight") for name in MOE_FFN})
             else:
@@ -261,13 +269,14 @@ class DenseSession(ChunkedSession):
         self.model = model
         self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
         self.shapes = [attention_shape(g, layer, self.context) for layer in range(g.num_layers)]
-        self.rewindable = all(shape.window is None for shape in self.shapes)  # a ring forgets keys
+        # a ring forgets keys (sliding layers) and b·x rows (lfm2's convolution blocks)
+        self.rewindable = all(shape.window is None for shape in self.shapes) and not g.conv_layers
         mode = "f32" if kv is None else str(kv).lower()
         if mode not in KV_MODES:
             raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")
         dev = self.device
         self.logit_rows = g.head_rows
-        qkv_width = g.q_dim + g.k_dim + g.v_dim
+        qkv_width = max(g.q_dim + g.k_dim + g.v_dim, 3 * g.d_model if g.conv_layers else 0)  # lfm2: b | c | x
         routed = max(1, g.num_experts_used)  # MoE: each position's gate | up rows per selected expert
         widest = F32 * max(g.head_rows, qkv_width, 2 * g.ff_dim * routed, g.d_model)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
@@ -276,7 +285,7 @@ class DenseSession(ChunkedSession):
         self.h = s(g.d_model, "normed")
         self.qkv = s(qkv_width, "qkv")
         self.q = s(g.q_dim, "q")
-        self.o = s(g.attn_out, "attention")
+        self.o = s(max(g.attn_out, g.d_model if g.conv_layers else 0), "attention")  # lfm2: the gated conv
         self.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
         self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
         self.act = s(g.ff_dim * routed, "act")
@@ -284,9 +293,15 @@ class DenseSession(ChunkedSession):
             self.router_logits = s(g.num_experts, "router_logits")
             self.routes = dev.buffer(moe_ops.routes_bytes(T, routed), label="routes", kind="scratch")
         self.logits = s(g.head_rows, "logits")
-        self.caches = [attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
+        self.caches = [None if g.is_conv(i) else
+                       attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                        for i, shape in enumerate(self.shapes)]
-        self.partials = attention_ops.attention_partials(dev, self.shapes, self.caches, T)
+        attending = [i for i in range(g.num_layers) if not g.is_conv(i)]
+        self.partials = attention_ops.attention_partials(dev, [self.shapes[i] for i in attending],
+                                                         [self.caches[i] for i in attending], T)
+        self.conv_slots = conv_ops.ring_slots(T, g.conv_taps) if g.conv_layers else 0
+        self.conv_rings = {i: dev.buffer(F32 * self.conv_slots * g.d_model, label=f"conv_ring.{i}", kind="kv")
+                           for i in g.conv_layers}  # lfm2: each block's b·x rows by position (its state)
 
     def _build(self, key: PlanKey) -> Plan:
         m, g, dev = self.model, self.model.geometry, self.device
@@ -299,7 +314,7 @@ class DenseSession(ChunkedSession):
         embed_scale = sqrt(d) if rules.embedding_scale else f32(g.embedding_multiplier or 1.0)
         residual_scale = g.residual_multiplier or None  # granite: each sublayer's output times it
         qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
-        qkv_width = g.q_dim + g.k_dim + g.v_dim
+        qkv_width = max(g.q_dim + g.k_dim + g.v_dim, 3 * d if g.conv_layers else 0)
         pre = rules.pre_norms  # olmo2: the sublayers read the residual stream x itself
         sublayer_in = self.h if pre else self.x
         for layer in range(g.num_layers):
@@ -318,19 +333,26 @@ class DenseSession(ChunkedSession):
             for pack, row in w["qkv"]:
                 qmatmul.q_matmul(plan, arena, pack, sublayer_in, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
                                  y_offset=row)
-            shape, vectors = self.shapes[layer], {}
-            if shape.norm != "none":
-                vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
-                               k_norm_at=m.vector(name("attn_k_norm.weight")))
-            if shape.bias:
-                vectors.update(q_bias_at=m.vector(name("attn_q.bias")), k_bias_at=m.vector(name("attn_k.bias")),
-                               v_bias_at=m.vector(name("attn_v.bias")))
-            attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q,
-                                  cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
-                                  label=f"qk_rope {layer}", **vectors)
-            attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
-                                    positions=T, partials=self.partials, label=f"attention {layer}")
-            qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=g.attn_out,
+            if g.is_conv(layer):  # lfm2: o = c ⊙ conv(b ⊙ x) over the block's ring
+                conv_ops.short_conv(plan, arena, step, bcx=self.qkv, weights=vec, ring=self.conv_rings[layer], y=self.o,
+                                    width=d, taps=g.conv_taps, positions=T, slots=self.conv_slots,
+                                    weight_at=m.vector(name("shortconv.conv.weight")), bcx_stride=qkv_width,
+                                    label=f"short_conv {layer}")
+            else:
+                shape, vectors = self.shapes[layer], {}
+                if shape.norm != "none":
+                    vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
+                                   k_norm_at=m.vector(name("attn_k_norm.weight")))
+                if shape.bias:
+                    vectors.update(q_bias_at=m.vector(name("attn_q.bias")), k_bias_at=m.vector(name("attn_k.bias")),
+                                   v_bias_at=m.vector(name("attn_v.bias")))
+                attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q,
+                                      cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
+                                      qkv_stride=qkv_width, label=f"qk_rope {layer}", **vectors)
+                attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
+                                        positions=T, partials=self.partials, label=f"attention {layer}")
+            out_width = d if g.is_conv(layer) else g.attn_out
+            qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=out_width,
                              y_stride=d)
             post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None
             norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
@@ -343,7 +365,7 @@ class DenseSession(ChunkedSession):
                 self._dense_ffn(plan, arena, w, T, act=rules.activation, x=sublayer_in, label=f"ffn act {layer}")
         post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if rules.post_norms else None
         norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                              positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
+                              positions=T, eps=g.rms_eps, weight_at=m.vector(f"{rules.output_norm}.weight"),
                               residual_weight_at=post, residual_scale=residual_scale, label="ffn residual + output_norm")
         scored = T if key.all_logits else 1
         qmatmul.q_matmul(plan, arena, m.head, self.h, self.logits, positions=scored, x_stride=d,

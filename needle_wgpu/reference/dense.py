@@ -34,7 +34,7 @@ import numpy as np
 from .. import constants, rope
 from ..errors import ContainerError, InputError, UnsupportedModelError
 from .gguf_weights import GgufWeights
-from .ops import gelu_gated
+from .ops import gelu_gated, short_conv
 from .boundary import raises_container_errors
 
 
@@ -63,6 +63,8 @@ class ArchRules:
                                      # hard-coded in llama.cpp's loader, not a key of the file)
     softcaps: tuple = ()             # gemma2: (attention, final) logit soft-capping defaults, read from
                                      # attn_logit_softcapping / final_logit_softcapping
+    short_conv: bool = False         # lfm2: layers with head_count_kv 0 are gated short convolutions
+    output_norm: str = "output_norm" # the final norm's tensor stem (lfm2: token_embd_norm)
     multipliers: bool = False        # granite: embedding_scale, residual_scale, attention.scale and
                                      # logit_scale from the file (llama.cpp's granite.cpp)
 
@@ -93,6 +95,10 @@ ARCHITECTURES = {
     # llama.cpp's src/models/olmo2.cpp: attention and FFN read the stream un-normed, their outputs
     # are RMS-normed before each add; q and k normed over their whole rows, as olmoe's.
     "olmo2": ArchRules(rope.NEOX, qk_norm="full", post_norms=True, pre_norms=False),
+    # llama.cpp's src/models/lfm2.cpp: where head_count_kv[il] is 0 the layer is
+    # out_proj(c ⊙ conv(b ⊙ x)) over in_proj's [b | c | x], the conv causal with shortconv.l_cache
+    # taps; elsewhere attention with per-head q/k norms. Final norm: token_embd_norm.
+    "lfm2": ArchRules(rope.NEOX, qk_norm="head", short_conv=True, output_norm="token_embd_norm"),
 }
 
 
@@ -130,6 +136,8 @@ class DenseConfig:
     residual_multiplier: float = 0.0
     attention_multiplier: float = 0.0
     logit_scale: float = 0.0
+    conv_layers: tuple = ()     # lfm2: the short-convolution layers
+    conv_taps: int = 0
     attn_softcap: float = 0.0   # gemma2 (0: none)
     final_softcap: float = 0.0
 
@@ -177,13 +185,22 @@ class DenseConfig:
         def bad(message):
             raise ContainerError(f"{w.path.name}: {message}")
 
-        fused = ARCHITECTURES[arch].fused
-        for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_qkv.weight" if fused else "blk.0.attn_q.weight"):
-            if not w.has(name):
-                bad(f"tensor {name} is missing")
+        rules = ARCHITECTURES[arch]
+        fused = rules.fused
         n_layers = int(key("block_count"))
         n_head = int(key("attention.head_count"))
-        n_head_kv = int(key("attention.head_count_kv", n_head))
+        kv_entry = key("attention.head_count_kv", n_head)
+        per_layer = list(kv_entry) if isinstance(kv_entry, (list, tuple)) else [kv_entry] * n_layers
+        conv_layers = tuple(i for i, n in enumerate(per_layer) if int(n) == 0) if rules.short_conv else ()
+        if len(per_layer) != n_layers or len({int(n) for n in per_layer if int(n)}) > 1 \
+                or (conv_layers and key("shortconv.l_cache") is None) or (not rules.short_conv and 0 in per_layer):
+            bad(f"head_count_kv {kv_entry} does not fit {n_layers} layers of {arch}")
+        n_head_kv = next((int(n) for n in per_layer if int(n)), n_head)
+        first = next(i for i in range(n_layers) if i not in conv_layers)  # the first attention layer
+        for name in ("token_embd.weight", f"{rules.output_norm}.weight",
+                     f"blk.{first}.attn_qkv.weight" if fused else f"blk.{first}.attn_q.weight"):
+            if not w.has(name):
+                bad(f"tensor {name} is missing")
         vocab_rows, d = w.shape("token_embd.weight")
         if int(key("embedding_length", d)) != d:
             bad(f"embedding_length {key('embedding_length')} != embedding width {d}")
@@ -191,9 +208,9 @@ class DenseConfig:
             q_rows = d
             k_rows = v_rows = (w.shape("blk.0.attn_qkv.weight")[0] - d) // 2
         else:
-            q_rows = w.shape("blk.0.attn_q.weight")[0]
-            k_rows = w.shape("blk.0.attn_k.weight")[0]
-            v_rows = w.shape("blk.0.attn_v.weight")[0]
+            q_rows = w.shape(f"blk.{first}.attn_q.weight")[0]
+            k_rows = w.shape(f"blk.{first}.attn_k.weight")[0]
+            v_rows = w.shape(f"blk.{first}.attn_v.weight")[0]
         head_dim = int(key("attention.key_length", q_rows // n_head))
         value_dim = int(key("attention.value_length", v_rows // n_head_kv))
         if n_head % n_head_kv or q_rows != n_head * head_dim or k_rows != n_head_kv * head_dim \
@@ -225,6 +242,7 @@ class DenseConfig:
                    rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
                    yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)),
                    **(_multipliers(key, bad) if ARCHITECTURES[arch].multipliers else {}),
+                   conv_layers=conv_layers, conv_taps=int(key("shortconv.l_cache", 0)) if conv_layers else 0,
                    **_softcaps(key, ARCHITECTURES[arch].softcaps))
 
 
@@ -369,6 +387,8 @@ class LayerWeights:
     moe: "MoeWeights | None" = None
     post_attention_norm: np.ndarray | None = None  # gemma3
     post_ffw_norm: np.ndarray | None = None
+    conv_in: np.ndarray | None = None  # lfm2's short-convolution blocks: in_proj [3d, d]
+    conv: np.ndarray | None = None     # and the conv weights [d, taps]
 
 
 @dataclass
@@ -435,6 +455,7 @@ class DenseKvCache:
     def __init__(self, n_layers: int):
         self.keys: list[np.ndarray | None] = [None] * n_layers
         self.values: list[np.ndarray | None] = [None] * n_layers
+        self.conv_tails: dict[int, np.ndarray] = {}  # lfm2: each convolution block's last taps − 1 b·x rows
         self.length = 0
 
     def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -489,6 +510,15 @@ class DenseReference:
             return self._cast(w.optional(f"blk.{i}.{name}"))
 
         cfg = self.config
+        if i in cfg.conv_layers:  # lfm2: a short-convolution block, then the usual FFN
+            p = LayerWeights(attn_norm=t("attn_norm.weight"), wq=None, wk=None, wv=None, bq=None, bk=None, bv=None,
+                             wo=t("shortconv.out_proj.weight"), bo=None, q_norm=None, k_norm=None,
+                             ffn_norm=t("ffn_norm.weight"), gate=t("ffn_gate.weight"), up=t("ffn_up.weight"),
+                             down=t("ffn_down.weight"), conv_in=t("shortconv.in_proj.weight"),
+                             conv=t("shortconv.conv.weight"))
+            if self.dtype == np.float32:
+                self._layers[i] = p
+            return p
         if cfg.rules.fused:  # phi3: one q | k | v matrix, one gate | up matrix
             qkv, kv = t("attn_qkv.weight"), cfg.n_head_kv * cfg.head_dim
             wq, wk, wv = qkv[:cfg.d], qkv[cfg.d:cfg.d + kv], qkv[cfg.d + kv:]
@@ -626,6 +656,12 @@ class DenseReference:
         residual = x.dtype.type(np.float32(cfg.residual_multiplier)) if cfg.residual_multiplier else None
         for i in range(cfg.n_layers):                                                 # §3.2
             p = self.layer(i)
+            if i in cfg.conv_layers:                                                  # lfm2
+                h = rms_norm(x, p.attn_norm, cfg.eps)
+                y, cache.conv_tails[i] = short_conv(matmul(h, p.conv_in), p.conv, cache.conv_tails.get(i))
+                x1 = x + matmul(y, p.wo)
+                x = x1 + FFNS[rules.ffn](rms_norm(x1, p.ffn_norm, cfg.eps), p)
+                continue
             cos, sin = tables[self.rope_key(i)]
             window = cfg.sliding_window if cfg.is_sliding(i) else 0
             h = rms_norm(x, p.attn_norm, cfg.eps) if rules.pre_norms else x          # olmo2: x itself
@@ -664,7 +700,7 @@ class DenseReference:
             return None
         rows = x if logits == "all" else x[-1:]
         head, bias = self.head()                                                      # §3.3
-        out = matmul(rms_norm(rows, self._cast(self.weights.tensor("output_norm.weight")), cfg.eps), head)
+        out = matmul(rms_norm(rows, self._cast(self.weights.tensor(f"{rules.output_norm}.weight")), cfg.eps), head)
         if bias is not None:
             out = out + bias
         if cfg.logit_scale:  # granite: ggml_scale by the f32 of 1 / logit_scale

@@ -281,6 +281,23 @@ def causal_conv(x: np.ndarray, taps: np.ndarray, tail: np.ndarray | None = None,
     return out
 
 
+def short_conv(bcx: np.ndarray, weights: np.ndarray, tail: np.ndarray | None = None) -> tuple:
+    """LFM2's gated short convolution (dense §3, llama.cpp's shortconv): in_proj's rows
+    bcx [T, 3·C] = [b | c | x], conv weights [C, K]; bx = b ⊙ x, y_t = c_t ⊙ Σ_{j<K} w[:, j] ⊙
+    bx_{t−(K−1)+j}, summed j = 0 .. K−1 from 0 as ggml_ssm_conv. ``tail`` holds the K−1 bx rows
+    before the chunk (the conv state; zeros at the start). Returns (y [T, C], the new tail)."""
+    bcx = np.asarray(bcx)
+    width, k = weights.shape
+    b, c, x = bcx[:, :width], bcx[:, width:2 * width], bcx[:, 2 * width:]
+    if tail is None:
+        tail = np.zeros((k - 1, width), bcx.dtype)
+    padded = np.concatenate((tail, b * x), axis=0)  # padded[k−1+t] = bx_t
+    acc = np.zeros_like(c)
+    for j in range(k):
+        acc = acc + weights[:, j] * padded[j: j + len(bcx)]
+    return c * acc, padded[len(padded) - (k - 1):]
+
+
 def dilated_causal_conv(x: np.ndarray, taps: np.ndarray, dilation: int, positions: np.ndarray,
                         min_history: int, tail: np.ndarray | None = None,
                         tap_keep: np.ndarray | None = None) -> np.ndarray:

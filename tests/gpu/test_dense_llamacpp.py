@@ -48,7 +48,7 @@ def test_synthetic_engine_matches_llamacpp(synth_files, device, arch):
 
 
 # the architectures added after the first six: greedy ids too, not only the next token
-GREEDY_ARCHS = ["smollm3", "granite", "olmo2", "gemma2", "phi3", "phi3-short"]
+GREEDY_ARCHS = ["smollm3", "granite", "olmo2", "gemma2", "phi3", "phi3-short", "lfm2"]
 
 
 @pytest.mark.parametrize("arch", GREEDY_ARCHS)

@@ -88,6 +88,9 @@ ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH 
     # and its short ones (512, the reference's context too)
     "phi3": SynthDense(arch="phi3", rope_dims=12, rope_orig_context=2, rope_attn_factor=1.19, seed=3),
     "phi3-short": SynthDense(arch="phi3", rope_dims=12, rope_orig_context=512, rope_attn_factor=1.19, seed=3),
+    # convolution blocks at 0, 1 and 3 (two in a row), attention at 2; the 71-token prompt
+    # crosses a chunk boundary, where the blocks read the rows before the chunk from their rings
+    "lfm2": SynthDense(arch="lfm2", n_layers=4, conv_layers=(0, 1, 3), seed=3),
 }
 
 
