@@ -1,9 +1,9 @@
 """Tiny random dense GGUF files for tests (spec dense-gguf.md §9, "without a real file").
 
 `write_dense_gguf(path, SynthDense(arch="qwen3"))` writes a seeded, deterministic model of any
-architecture of `formats.dense_archs.ARCHITECTURES` (llama / qwen2 / qwen3 / gemma3 / qwen3moe /
-olmoe), with the keys and tensors its row names, that llama.cpp loads: 2 layers, d 64, GQA 4/2,
-matrices in one quantisation type (Q8_0 by default), norms and biases in F32, and SmolLM2's
+architecture of `formats.dense_archs.ARCHITECTURES`, with the keys and tensors its row names,
+that llama.cpp loads: 2 layers, d 64, GQA 4/2, matrices in one quantisation type (Q8_0 by
+default), norms, biases and lfm2's convolution weights in F32, and SmolLM2's
 tokenizer metadata when the SmolLM2 file is installed (else a minimal byte-level vocabulary).
 NumPy and PyPI `gguf` are needed (test-time only, like `synth.py`). MoE files have `n_expert`
 experts (8 by default) of width `n_ff`, top-`n_expert_used` (2); the router `ffn_gate_inp` stays

@@ -1,8 +1,8 @@
 """Geometry of a dense GGUF model: one frozen dataclass, read from the metadata and checked
 against the tensors once, at load (spec §1, §2). Pure Python.
 
-Architectures: one row each in `dense_archs.ARCHITECTURES` (llama, qwen2, qwen3, gemma3 and the
-MoE pair qwen3moe, olmoe); what differs between them is read from the row (`rules`), never from
+Architectures: one row each in `dense_archs.ARCHITECTURES` (its `supported_markdown` lists
+them); what differs between them is read from the row (`rules`), never from
 the name. Widths come from the keys (with llama.cpp's defaults) and every tensor the graph uses
 must have exactly the shape they imply, so a file whose tensor shapes disagree with its metadata
 is refused here, naming the tensor; a tensor the graph would not use (``rope_freqs.weight``,

@@ -1,4 +1,4 @@
-"""The dense GGUF family on the GPU (Llama, Qwen2, Qwen3, Gemma 3, the MoE Qwen3-MoE and OLMoE):
+"""The dense GGUF family on the GPU (the architectures of `formats/dense_archs.py`):
 weights uploaded once in their quantised bits, sessions with a preallocated KV cache, and the prebuilt dispatch plan of
 spec dense-gguf §3 read top to bottom as the model's forward.
 
@@ -14,6 +14,11 @@ at most 12)::
     x += a (Gemma: RMSNorm(a; post_attention_norm)); h = RMSNorm(x; ffn_norm)
     g, u = Wgate h, Wup h (stacked likewise);  act = silu(g)·u (Gemma: gelu_tanh(g)·u);  f = Wdown act
     x += f (Gemma: RMSNorm(f; post_ffw_norm)), fused with the next layer's norm
+
+The rows' other rules change a few steps: smollm3's NoPE layers skip RoPE, granite scales the
+embedding, each residual branch and the logits, olmo2 has post-norms only (the sublayers read x),
+gemma2 soft-caps the scores and the logits. An lfm2 short-convolution layer runs in_proj [b | c |
+x], short_conv (c ⊙ conv(b ⊙ x) over its ring of b·x rows) and out_proj where others attend.
 
 MoE layers (qwen3moe, olmoe; 14 dispatches) replace the FFN's four: router logits = Wgate_inp h;
 routes (top-k expert ids and weights, on the GPU); g, u = the routed experts' Wgate_e h, Wup_e h

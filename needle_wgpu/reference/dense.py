@@ -1,5 +1,6 @@
-"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3, gemma3 and the MoE pair
-qwen3moe, olmoe (spec dense-gguf.md §1-§3).
+"""NumPy reference of the dense GGUF family: llama, qwen2, qwen3, gemma3, the MoE pair qwen3moe,
+olmoe, and gemma2, phi3, smollm3, granite, olmo2 and lfm2 (spec dense-gguf.md §1-§3; each row of
+`ARCHITECTURES` cites the llama.cpp graph it follows).
 
 The oracle the GPU engine's dense kernels are tested against, itself checked against llama.cpp
 (tests/test_dense_reference.py). Float32 by default; `dtype=np.float64` runs the same graph on
