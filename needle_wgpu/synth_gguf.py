@@ -56,6 +56,7 @@ class SynthDense:
     rope_orig_context: int = 0  # rope.scaling.original_context_length (YaRN, LongRoPE); 0: not written
     rope_attn_factor: float = 0.0  # rope.scaling.attn_factor; 0: not written
     rope_dims: int = 0          # rope.dimension_count (partial rotary); 0: head_dim
+    pooling_type: int = -1      # {arch}.pooling_type (llama.cpp's numbering: 1 mean, 2 cls, 3 last, 4 rank); -1: not written
     rope_freqs: bool = False    # Llama 3 frequency factors (rope_freqs.weight; rows with rope_factor_tensors)
     # scales (standard deviations) of the random weights
     embed_scale: float = 0.6    # tied head: logit spread ~ embed_scale · sqrt(d)
@@ -328,6 +329,8 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
         writer.add_uint32(f"{a}.rope.scaling.original_context_length", s.rope_orig_context)
     if s.rope_attn_factor:
         writer.add_float32(f"{a}.rope.scaling.attn_factor", s.rope_attn_factor)
+    if s.pooling_type >= 0:
+        writer.add_uint32(f"{a}.pooling_type", s.pooling_type)
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():

@@ -25,12 +25,13 @@ then the final norm, the head over the rows that are needed and the sampler.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from ..chat.dense import DenseChat
 from ..chat.template import ChatTemplate
 from ..constants import f32, sqrt
-from ..errors import UnsupportedModelError
+from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats.dense_geometry import DenseGeometry
 from ..formats.gguf import MAGIC, GgufFile, open_gguf
 from ..formats.gguf_tokenizer import tokenizer_from_gguf
@@ -41,8 +42,9 @@ from ..kernels import moe as moe_ops
 from ..kernels import norm as norm_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
+from ..pooling import Pool, file_pooling, rows_needed
 from .protocols import Capabilities
-from .session import ChunkedSession, PlanKey, clamp_context
+from .session import ChunkedSession, PlanKey, clamp_context, session_ids
 
 PREFILL_CHUNK = 64
 KV_MODES = ("f32", "f16")  # f16: IEEE halves packed in words (core WGSL, no shader-f16 needed)
@@ -156,6 +158,7 @@ class DenseGpu:
         self.tokenizer = tokenizer_from_gguf(metadata)
         template = metadata.get("tokenizer.chat_template")
         self.chat = DenseChat(self.tokenizer, template if isinstance(template, str) else None)
+        self.pooling = file_pooling(f, g.arch)  # embeddings: the final hidden states pooled (pooling.py)
         self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
         for shape in self.shapes:
             shape.check()
@@ -216,7 +219,8 @@ class DenseGpu:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(numerics=NUMERICS, mask=DenseSession.supports_mask, verify=DenseSession.supports_verify)
+        return Capabilities(numerics=NUMERICS, mask=DenseSession.supports_mask, verify=DenseSession.supports_verify,
+                            pooling=self.pooling)
 
     @property
     def name(self) -> str:
@@ -273,6 +277,30 @@ class DenseSession(ChunkedSession):
         self.caches = [attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                        for i, shape in enumerate(self.shapes)]
         self.partials = attention_ops.attention_partials(dev, self.shapes, self.caches, T)
+
+    def embedding(self, ids: list) -> list:
+        """The model's pooling of the final hidden states (after the output norm) over ``ids``,
+        L2-normalised (``pooling.py``, as llama.cpp's embeddings): chunks run without a sampler,
+        and the rows the pooling needs are read back after each."""
+        self._check()
+        ids = session_ids(ids)
+        if not ids:
+            raise InputError("an embedding needs at least one token")
+        if self.position + len(ids) > self.context:
+            raise ContextFullError(f"embedding: {len(ids)} ids, more than the context of {self.context}")
+        d = self.model.geometry.d_model
+        pool, needed = Pool(self.model.pooling, d), rows_needed(self.model.pooling, len(ids))
+        length = min(self.chunk, self.device.prefill_chunk or self.chunk)
+        for start in range(0, len(ids), length):
+            part = ids[start : start + length]
+            self._run_chunk(part, None)
+            rows = [r - start for r in needed if start <= r < start + len(part)]
+            if rows:
+                first, count = rows[0], rows[-1] - rows[0] + 1
+                data = struct.unpack(f"<{count * d}f", self.device.read(self.h, 4 * count * d, 4 * first * d))
+                for r in range(count):
+                    pool.add(data[r * d : (r + 1) * d])
+        return pool.vector()
 
     def _build(self, key: PlanKey) -> Plan:
         m, g, dev = self.model, self.model.geometry, self.device
