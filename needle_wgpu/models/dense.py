@@ -36,6 +36,7 @@ from ..formats.dense_geometry import DenseGeometry
 from ..formats.gguf import MAGIC, GgufFile, open_gguf
 from ..formats.gguf_tokenizer import tokenizer_from_gguf
 from ..gpu.device import Binding, Device, Plan, UniformArena
+from ..gpu.sizing import WEBGPU_DEFAULT_LIMITS, SizingDevice
 from ..kernels import attention as attention_ops
 from ..kernels import ffn as ffn_ops
 from ..kernels import moe as moe_ops
@@ -100,8 +101,38 @@ def describe(parsed: DenseFile, context: int | None = None, depth=None) -> dict:
             "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__}, "experts": experts,
             "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
             "context": context, "kv_bytes": {mode: kv_bytes(g, context, mode) for mode in KV_MODES},
+            "gpu_bytes": {mode: gpu_bytes(parsed, context, mode) for mode in KV_MODES},
             "tokenizer": f.get_str("tokenizer.ggml.model", None),
             "chat_template": ChatTemplate(f.get_str("tokenizer.chat_template", None)).describe()}
+
+
+def gpu_bytes(parsed: DenseFile, context: int, kv: str = "f32", limits=WEBGPU_DEFAULT_LIMITS) -> dict:
+    """What loading the file and opening one session of ``context`` positions take on a device
+    with ``limits`` (WebGPU's defaults: 128 MiB bindings), by kind, before anything loads: the
+    weights in the file's bits (row-split as ``qmatmul.upload`` splits them; stacked neighbours
+    and their parts round differently, by a few 16-byte paddings a tensor) and the session's buffers, counted by opening it on a
+    ``SizingDevice``."""
+    f, g = parsed.gguf, parsed.geometry
+    weights = 0
+    for name, ne in g.tensors():
+        t = f[name]
+        if len(ne) == 1:
+            weights += -(-t.nbytes // (F32 * ALIGN)) * F32 * ALIGN  # the vectors buffer
+        else:
+            weights += qmatmul.packed_bytes(name, t.type.name, t.rows, t.row_width, limits.max_storage_binding)
+    sizing = SizingDevice(limits)
+    DenseSession(_SizedModel(g, sizing), context=context, kv=kv)
+    session = sizing.counters.bytes_allocated
+    out = {"weights": weights, "kv": session.get("kv", 0), "scratch": session.get("scratch", 0) + session.get("session", 0)}
+    return out | {"total": sum(out.values())}
+
+
+@dataclass(frozen=True)
+class _SizedModel:
+    """What a session reads of its model when it opens (``gpu_bytes``)."""
+
+    geometry: DenseGeometry
+    device: Device
 
 
 def default_context(g: DenseGeometry) -> int:
