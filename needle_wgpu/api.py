@@ -357,9 +357,34 @@ class Model:
         return probability_of_logit(logit)
 
     def embed(self, text=None, *, ids=None) -> list:
-        """The embedding head's L2-normalised vector (§7, §U a) for ``text`` (BOS + its ids) or
-        explicit ``ids``. Raises UnsupportedModelError when the model has no embedding head."""
-        return self._head_output(1, "embedding", text, ids)
+        """An L2-normalised embedding of ``text`` (``embedding_ids`` encodes it) or explicit
+        ``ids``: a Needle 3 file's embedding head (§7, §U a), or a dense file's final hidden
+        states pooled as the file says (``needle_wgpu.pooling``: mean unless it says cls or
+        last). Raises UnsupportedModelError for a model with neither (a reranker's rank pooling)."""
+        if not self.capabilities.embeds:
+            raise UnsupportedModelError("this model gives no embeddings (no embedding head, no pooling)")
+        if not self.capabilities.pooling:
+            return self._head_output(1, "embedding", text, ids)
+        request, _ = saturate_ids(id_list(ids if ids is not None else self.embedding_ids(text)))
+        if not request:
+            raise NeedleError("embedding needs at least one token")
+        if len(request) > self.geometry.max_seq_len:  # never cut silently
+            raise ContextFullError(f"embedding: {len(request)} ids, more than the context of "
+                                   f"{self.geometry.max_seq_len}")
+        session = self.gpu.session(context=len(request))
+        try:
+            return session.embedding(request)
+        finally:
+            session.close()
+
+    def embedding_ids(self, text) -> list:
+        """The ids ``embed(text)`` runs: BOS + the text's ids for a Needle 3 head; a dense file's
+        plain prompt encoding (BOS as the file says, special tokens parsed)."""
+        tokenizer = self._need_tokenizer()
+        text = as_text(text, "text")
+        if self.capabilities.pooling:
+            return self.chat_format.request_ids(tokenizer, prompt=text)
+        return [tokenizer.bos_id] + tokenizer.encode(text)
 
     def route(self, text=None, *, ids=None) -> "RouteResult":
         """The router head's three raw logits and its stored calibration (§U a)."""
@@ -370,10 +395,7 @@ class Model:
         """One probe head over BOS + text (or ``ids``): one prefill, its pool read back."""
         if code not in self.capabilities.heads:
             raise UnsupportedModelError(f"this model has no {name} head")
-        if ids is None:
-            tokenizer = self._need_tokenizer()
-            ids = [tokenizer.bos_id] + tokenizer.encode(as_text(text, "text"))
-        request, _ = saturate_ids(id_list(ids))
+        request, _ = saturate_ids(id_list(ids if ids is not None else self.embedding_ids(text)))
         if not request:
             raise NeedleError(f"{name} needs at least one token")
         session = self.gpu.session(context=min(len(request), self.geometry.max_seq_len), heads=(code,),

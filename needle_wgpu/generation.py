@@ -86,17 +86,27 @@ class Steps:
     rewound over them (``finish``), so its position and cache are those of one step at a time.
     The sampler draws from a hash of the seed and the position, so the ids are the same for
     every round length. A step that needs the host first (a grammar mask, a logprobs row) runs
-    alone."""
+    alone.
+
+    Rounds are pipelined where the session can rewind over two of them: the next round is
+    submitted before the previous one is read (``submit_round``/``collect_round``; the sampled
+    ids feed the next step on the GPU), so the GPU runs one round while the host hands out the
+    ids of the one before. The ids are the same; at the end one more round may have run, and
+    is taken back with the rest."""
 
     session: object
     speculator: object = None
     round_tokens: int = 1
+    pipeline: bool = True  # False: each round is read before the next is submitted (to measure the difference)
     _queue: list = field(default_factory=list)
+    _ahead: object = None  # a submitted round whose ids are not read yet, and its length
+    _ahead_count: int = 0
 
     def __post_init__(self):
         session = self.session
         if self.round_tokens > 1 and not session.rewindable:  # a ring rewinds only so far
             self.round_tokens = max(1, min(self.round_tokens, session.max_rewind + 1))
+        self.pipelined = self.pipeline and self.round_tokens > 1 and session.rewindable
 
     def first(self, ids, sampling, **extra):
         if self.speculator is not None:
@@ -110,16 +120,37 @@ class Steps:
             return self._queue.pop(0)
         if self.round_tokens > 1 and not extra:
             if not self._queue:
-                self._queue = self.session.decode_round(min(self.round_tokens, room), sampling)
+                self._queue = self._next_round(sampling, room)
             if self._queue:
                 return self._queue.pop(0)
         return self.session.step(sampling, **extra)
 
+    def _next_round(self, sampling, room: int) -> list:
+        session = self.session
+        if not self.pipelined:
+            return session.decode_round(min(self.round_tokens, room), sampling)
+        current, count = self._ahead, self._ahead_count
+        if current is None:
+            before = session.position
+            current = session.submit_round(min(self.round_tokens, room), sampling)
+            count = session.position - before
+        self._ahead, self._ahead_count = None, 0
+        if current is not None and room > count:  # the next round goes in before this one is read
+            before = session.position
+            self._ahead = session.submit_round(min(self.round_tokens, room - count), sampling)
+            self._ahead_count = session.position - before
+        return session.collect_round(current)
+
+    @property
+    def pending(self) -> int:
+        """Ids run on the GPU that the generation has not taken yet (queued or in a round ahead)."""
+        return len(self._queue) + self._ahead_count
+
     def finish(self) -> None:
-        """Take back the steps of a round the generation did not use."""
-        if self.speculator is None and self._queue:
-            self.session.rewind(self.session.position - len(self._queue))
-        self._queue = []
+        """Take back the steps of rounds the generation did not use."""
+        if self.speculator is None and self.pending:
+            self.session.rewind(self.session.position - self.pending)
+        self._queue, self._ahead, self._ahead_count = [], None, 0
 
 
 def decode(steps: Steps, ids: list, out: Decoded, *, sampling, budget: int, stop_ids, decoder=None,
@@ -185,7 +216,7 @@ def decode(steps: Steps, ids: list, out: Decoded, *, sampling, budget: int, stop
             if decoder is not None and decoder.stopped:
                 out.finish_reason = "stop"
                 break
-            if produced >= budget or session.position >= session.context:
+            if produced >= budget or session.position - steps.pending >= session.context:
                 break
             if should_stop is not None and should_stop(produced, budget):
                 out.finish_reason = "stopped"

@@ -58,6 +58,7 @@ class SynthDense:
     rope_dims: int = 0          # rope.dimension_count (partial rotary); 0: head_dim
     window_key: bool = False    # attention.sliding_window written where the row has no sliding layers
                                 # (Mistral-style llama files)
+    pooling_type: int = -1      # {arch}.pooling_type (llama.cpp's numbering: 1 mean, 2 cls, 3 last, 4 rank); -1: not written
     rope_freqs: bool = False    # Llama 3 frequency factors (rope_freqs.weight; rows with rope_factor_tensors)
     # granite's embedding_scale, residual_scale, attention.scale and logit_scale (rows with
     # multipliers): far enough from 1 (and from 1/sqrt(head_dim)) that each one shows, with the
@@ -378,6 +379,8 @@ def write_dense_gguf(path: str | Path, spec: SynthDense = SynthDense(), *, token
         writer.add_uint32(f"{a}.rope.scaling.original_context_length", s.rope_orig_context)
     if s.rope_attn_factor:
         writer.add_float32(f"{a}.rope.scaling.attn_factor", s.rope_attn_factor)
+    if s.pooling_type >= 0:
+        writer.add_uint32(f"{a}.pooling_type", s.pooling_type)
 
     qtype = GGMLQuantizationType[s.qtype]
     for name, value in dense_tensors(s, tokens).items():

@@ -123,10 +123,16 @@ def test_a_round_that_overshoots_is_taken_back():
             return 10
 
         def decode_round(self, count, sampling):
+            return self.collect_round(self.submit_round(count, sampling))
+
+        def submit_round(self, count, sampling):
             self.rounds.append(count)
             start = self.position
             self.position += count
             return [11 + start - 3 + i for i in range(count)]  # ids 11, 12, ... by position
+
+        def collect_round(self, submitted):
+            return submitted
 
         def step(self, sampling, **extra):
             raise AssertionError("a plain step while rounds are asked for")
@@ -138,8 +144,15 @@ def test_a_round_that_overshoots_is_taken_back():
     out = Decoded()
     list(decode(Steps(session, round_tokens=4), [1, 2, 3], out, sampling=Sampling(), budget=6, stop_ids={14}))
     assert out.ids == [10, 11, 12, 13] and out.finish_reason == "eos"
-    assert session.rounds == [4] and session.position == 3 + 4  # four steps fed 10..13; 15 taken back
+    # four steps fed 10..13; the round ahead (pipelined: submitted before the first was read,
+    # one step as the budget allows) is taken back with it
+    assert session.rounds == [4, 1] and session.position == 3 + 4
     session, out = Rounds(), Decoded()
     list(decode(Steps(session, round_tokens=4), [1, 2, 3], out, sampling=Sampling(), budget=6, stop_ids=set()))
     assert out.ids == [10, 11, 12, 13, 14, 15] and session.rounds == [4, 1]  # the budget bounds a round
     assert session.position == 3 + 5
+    # A session that rewinds only over a ring's spare slots runs one round at a time.
+    session, out = Rounds(), Decoded()
+    session.rewindable, session.max_rewind = False, 3
+    list(decode(Steps(session, round_tokens=4), [1, 2, 3], out, sampling=Sampling(), budget=9, stop_ids={14}))
+    assert out.ids == [10, 11, 12, 13] and session.rounds == [4] and session.position == 3 + 4

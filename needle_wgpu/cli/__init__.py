@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time these rungs over the same weights ('all': every rung)")
     bench.add_argument("--tokens-per-round", nargs="+", type=float, metavar="K", default=None,
                        help="the host cost per token at these decode steps per submit (default: 1 4)")
+    bench.add_argument("--no-pipeline", action="store_true",
+                       help="read each round before submitting the next (rounds are pipelined by default)")
     bench.add_argument("--speculative", nargs="*", metavar="DEPTH,K", default=None,
                        help="also time greedy self-speculative decoding for these pairs (none: a default set)")
     bench.set_defaults(run=cmd_bench)

@@ -21,10 +21,11 @@ from ..speculative import MAX_DRAFT, SpeculativeDecoder, speculative_option
 from .options import Progress
 
 
-def host_cost(model, prompt: list, tokens: int, round_tokens: int = 1) -> dict:
+def host_cost(model, prompt: list, tokens: int, round_tokens: int = 1, pipeline: bool = True) -> dict:
     """The host's cost per decoded token through the one generation loop (``generation.decode``,
     as every surface runs it: the tokenizer's stream decoder, stop checks, bookkeeping), greedy,
-    ``tokens`` ids with no end-of-generation id, ``round_tokens`` steps per submit. Measured
+    ``tokens`` ids with no end-of-generation id, ``round_tokens`` steps per submit (rounds
+    pipelined unless ``pipeline`` is false: ``generation.Steps``). Measured
     from the last id of the first round (whose plan is built then) to the last: the calling thread's CPU time (``gpu.device.thread_clock``:
     GPU work on other threads does not count) split into encode+submit, readback and the rest,
     the readback's wall time, and the ceiling that host time alone allows (1000 / host ms)."""
@@ -40,7 +41,7 @@ def host_cost(model, prompt: list, tokens: int, round_tokens: int = 1) -> dict:
 
     try:
         out = Decoded()
-        for event in decode(Steps(session, round_tokens=round_tokens), prompt, out, sampling=Sampling(),
+        for event in decode(Steps(session, round_tokens=round_tokens, pipeline=pipeline), prompt, out, sampling=Sampling(),
                             budget=tokens, stop_ids=set(), decoder=decoder):
             if event.id is not None and len(out.ids) == round_tokens + 1:
                 mark()
@@ -53,7 +54,7 @@ def host_cost(model, prompt: list, tokens: int, round_tokens: int = 1) -> dict:
     cpu, wall, encode, read_cpu, read_wall, dispatches, submits, read = (
         (b - a) / steps for a, b in zip(marks[0], marks[-1]))
     host_ms = 1000 * cpu
-    return {"tokens_per_round": round_tokens, "decoded": len(out.ids),
+    return {"tokens_per_round": round_tokens, "pipelined": pipeline and round_tokens > 1, "decoded": len(out.ids),
             "host_cpu_ms_per_token": round(host_ms, 3), "encode_submit_ms": round(1000 * encode, 3),
             "readback_cpu_ms": round(1000 * read_cpu, 3), "other_ms": round(host_ms - 1000 * (encode + read_cpu), 3),
             "readback_wall_ms": round(1000 * read_wall, 3), "wall_ms_per_token": round(1000 * wall, 3),
@@ -132,7 +133,8 @@ def run_benchmark(args) -> dict:
     session.close()
     if depth is not None:
         result["depth"] = model.describe()["depth"]
-    result["host"] = [host_cost(model, prompt, decode_tokens, k) for k in _rounds(args)]
+    pipeline = not getattr(args, "no_pipeline", False)
+    result["host_cost"] = [host_cost(model, prompt, decode_tokens, k, pipeline) for k in _rounds(args)]
     rungs = getattr(args, "rungs", None)
     if rungs:
         result["rungs"] = [_rung_speed(model.gpu, d, prompt, decode_tokens) for d in _depths(rungs, model.gpu)]

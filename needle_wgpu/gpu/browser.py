@@ -434,7 +434,7 @@ class BrowserDevice(Device):
         except Exception as exc:
             raise _translate(exc, "submitting work") from None
 
-    def _submit_steps(self, encoded, copies):
+    def _submit_steps(self, encoded, copies, readback=None):
         self._guard("submit")
         records, _, uniform, _, _ = copies[0]
         try:

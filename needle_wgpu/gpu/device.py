@@ -92,6 +92,16 @@ class Buffer:
     freed: bool = False
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A readback ``Device.run_steps`` scheduled: ``Device.collect`` returns its bytes."""
+
+    buffer: "Buffer"
+    offset: int
+    size: int
+    staged: object = None  # the back end's copy made inside the submit (None: read it afterwards)
+
+
 # Kinds a session never owns: the model's weights, and the device-wide buffers a kernel makes
 # once and every plan shares (the sampler's scratch, placeholders).
 UNOWNED_KINDS = frozenset({"weights", "shared"})
@@ -277,8 +287,10 @@ class Device:
         """One submit: a compute pass of every plan's encoded dispatches, then the copies."""
         raise NotImplementedError
 
-    def _submit_steps(self, encoded, copies: list) -> None:
-        """One submit of len(copies) passes of one plan's encoded dispatches, pass i after copy i."""
+    def _submit_steps(self, encoded, copies: list, readback=None):
+        """One submit of len(copies) passes of one plan's encoded dispatches, pass i after copy i.
+        ``readback`` (handle, offset, size): a back end that stages it inside this submit returns
+        its handle for ``_collect_staged``; None leaves it to ``read``."""
         raise NotImplementedError
 
     def encoded(self, plan: Plan):
@@ -401,16 +413,40 @@ class Device:
         (``generation.round_tokens``), by adapter kind (``ROUND_TOKENS``)."""
         return ROUND_TOKENS["software" if self.software_rasterizer else "hardware"]
 
-    def run_steps(self, plan: Plan, records: Buffer, uniform: Buffer, count: int) -> None:
+    def run_steps(self, plan: Plan, records: Buffer, uniform: Buffer, count: int,
+                  readback: tuple | None = None) -> "Pending | None":
         """``count`` runs of ``plan`` in one submit, run i after the 16-byte record i of
         ``records`` is copied into ``uniform`` (a multi-token decode round: each step at its own
-        position, the records written beforehand with one ``write``)."""
+        position, the records written beforehand with one ``write``).
+
+        ``readback`` (buffer, offset, size): bytes the caller will want once the round is done;
+        ``collect`` the returned ``Pending`` for them. A back end that can copies them inside
+        the same submit and waits for that submit alone, so a round submitted after this one
+        keeps the GPU busy while the host reads this one; elsewhere ``collect`` is a ``read``."""
         cpu = thread_clock()
-        self._submit_steps(self.encoded(plan), [(records.handle, 16 * i, uniform.handle, 0, 16) for i in range(count)])
+        staged = self._submit_steps(self.encoded(plan),
+                                    [(records.handle, 16 * i, uniform.handle, 0, 16) for i in range(count)],
+                                    readback=None if readback is None else (readback[0].handle, *readback[1:]))
         counters = self.counters
         counters.encode_cpu_s += thread_clock() - cpu
         counters.dispatches += count * len(plan.dispatches)
         counters.submits += 1
+        return None if readback is None else Pending(*readback, staged)
+
+    def collect(self, pending: "Pending") -> bytes:
+        """The bytes of a ``run_steps`` readback (counted as a ``read``)."""
+        if pending.staged is None:
+            return self.read(pending.buffer, pending.size, pending.offset)
+        cpu, wall = thread_clock(), time.perf_counter()
+        data = self._collect_staged(pending.staged, pending.size)
+        counters = self.counters
+        counters.read_cpu_s += thread_clock() - cpu
+        counters.read_wall_s += time.perf_counter() - wall
+        counters.bytes_read += pending.size
+        return data
+
+    def _collect_staged(self, staged, size: int) -> bytes:
+        raise NotImplementedError
 
     @property
     def pipeline_count(self) -> int:

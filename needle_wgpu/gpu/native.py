@@ -32,6 +32,24 @@ def _raw_pass_calls():
 _RAW = _raw_pass_calls()
 
 
+def _raw_staging_calls():
+    """wgpu-native's submit-for-index, poll-until-that-submission, map and mapped-range calls,
+    and its cffi module: a round's readback waits for its own submit alone (wgpu-py's map waits
+    by polling until every submitted command is done). None where this wgpu-py lacks them: a
+    round's ids are then read after it like any other readback."""
+    try:
+        from wgpu.backends.wgpu_native._api import ffi, lib, libf
+
+        return (libf.wgpuQueueSubmitForIndex, lib.wgpuDevicePoll, libf.wgpuBufferMapAsync,
+                libf.wgpuBufferGetConstMappedRange, libf.wgpuBufferUnmap, ffi, lib)
+    except (ImportError, AttributeError):
+        return None
+
+
+_STAGING = _raw_staging_calls()
+MAX_POLLS = 1000  # a map that has not completed after this many waits is a device error
+
+
 def _translate(exc: Exception, what: str) -> DeviceError:
     text = f"{what}: {exc}"
     lowered = text.lower()
@@ -86,6 +104,7 @@ class NativeDevice(Device):
         }
         self.lost = False
         self._fence = None  # 16 bytes read back by wait_idle
+        self._stagings = []  # mappable buffers of collected rounds, free for the next (``_take_staging``)
 
     def _guard(self, what):
         if self.lost:
@@ -186,16 +205,62 @@ class NativeDevice(Device):
         except Exception as exc:
             raise self._failed(exc, "submitting work") from None
 
-    def _submit_steps(self, encoded, copies):
+    def _submit_steps(self, encoded, copies, readback=None):
         self._guard("submit")
+        staging = None
         try:
             encoder = self._device.create_command_encoder()
             for source, src_offset, target, dst_offset, size in copies:
                 encoder.copy_buffer_to_buffer(source, src_offset, target, dst_offset, size)
                 self._record(encoder, encoded)
-            self._device.queue.submit([encoder.finish()])
+            if readback is None or _STAGING is None:
+                self._device.queue.submit([encoder.finish()])
+                return None
+            source, offset, size = readback
+            staging = self._take_staging(size)
+            encoder.copy_buffer_to_buffer(source, offset, staging, 0, size)
+            submit_for_index, ffi = _STAGING[0], _STAGING[5]
+            commands = encoder.finish()
+            index = submit_for_index(self._device.queue._internal, 1, ffi.new("WGPUCommandBuffer[1]", [commands._internal]))
+            return staging, index
         except Exception as exc:
             raise self._failed(exc, "submitting work") from None
+
+    def _take_staging(self, size: int):
+        """A mappable buffer of at least ``size`` bytes that no uncollected round uses (a
+        discarded round's is dropped with it: reusing it could map a later copy's bytes)."""
+        for i, buffer in enumerate(self._stagings):
+            if buffer.size >= size:
+                return self._stagings.pop(i)
+        return self._create_buffer(max(256, 1 << (size - 1).bit_length()), "readback", "round readback")
+
+    def _collect_staged(self, staged, size):
+        self._guard("read")
+        staging, index = staged
+        _, poll, map_async, mapped_range, unmap, ffi, lib = _STAGING
+        done = []
+
+        @ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
+        def mapped(status, message, userdata1, userdata2):
+            done.append(status)
+
+        info = ffi.new("WGPUBufferMapCallbackInfo *", {"mode": lib.WGPUCallbackMode_AllowProcessEvents,
+                                                        "callback": mapped})
+        try:
+            map_async(staging._internal, lib.WGPUMapMode_Read, 0, size, info[0])
+            submission = ffi.new("WGPUSubmissionIndex *", index)
+            for _ in range(MAX_POLLS):  # the first wait ends with the submit; the map's callback runs in it
+                poll(self._device._internal, True, submission)
+                if done:
+                    break
+            if done != [lib.WGPUMapAsyncStatus_Success]:
+                raise DeviceError(f"mapping a round's readback failed (status {done or 'none'})")
+            data = bytes(ffi.buffer(mapped_range(staging._internal, 0, size), size))
+            unmap(staging._internal)
+        except Exception as exc:
+            raise self._failed(exc, "reading back") from None
+        self._stagings.append(staging)
+        return data
 
     def destroy(self) -> None:
         """Destroy the device (also how tests simulate a device loss)."""

@@ -199,6 +199,20 @@ def upload(device: Device, name: str, qtype, raw, rows: int, cols: int) -> QPack
     return pack
 
 
+def packed_bytes(name: str, qtype, rows: int, cols: int, limit: int) -> int:
+    """The GPU bytes ``upload`` takes for a [rows x cols] tensor (its parts, planes and padding),
+    without its data."""
+    t = check(name, qtype, cols)
+    per_row = row_bytes(t.name, cols)
+    total = 0
+    for _, count in split_rows(name, rows, per_row, limit):
+        nbytes = count * per_row
+        blocks = nbytes // t.nbytes
+        words, side = (nbytes, 0) if t.side_half is None else (blocks * (t.nbytes - 2), (blocks * 2 + 3) // 4 * 4)
+        total += max(16, ((words + 15) // 16 * 16 + side + 15) // 16 * 16)
+    return total
+
+
 def _fold(groups: int) -> tuple:
     """(x, z) workgroup counts covering ``groups`` (the kernels index x + z * num_workgroups.x)."""
     z = (groups + MAX_GROUPS - 1) // MAX_GROUPS

@@ -30,16 +30,18 @@ then the final norm, the head over the rows that are needed and the sampler.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from ..chat.dense import DenseChat
 from ..chat.template import ChatTemplate
 from ..constants import f32, sqrt
-from ..errors import UnsupportedModelError
+from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats.dense_geometry import DenseGeometry
 from ..formats.gguf import MAGIC, GgufFile, open_gguf
 from ..formats.gguf_tokenizer import tokenizer_from_gguf
 from ..gpu.device import Binding, Device, Plan, UniformArena
+from ..gpu.sizing import WEBGPU_DEFAULT_LIMITS, SizingDevice
 from ..kernels import attention as attention_ops
 from ..kernels import conv as conv_ops
 from ..kernels import ffn as ffn_ops
@@ -47,8 +49,9 @@ from ..kernels import moe as moe_ops
 from ..kernels import norm as norm_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
+from ..pooling import Pool, file_pooling, rows_needed
 from .protocols import Capabilities
-from .session import ChunkedSession, PlanKey, clamp_context
+from .session import ChunkedSession, PlanKey, clamp_context, session_ids
 
 PREFILL_CHUNK = 64
 KV_MODES = ("f32", "f16")  # f16: IEEE halves packed in words (core WGSL, no shader-f16 needed)
@@ -104,6 +107,7 @@ def describe(parsed: DenseFile, context: int | None = None, depth=None) -> dict:
             "geometry": {k: getattr(g, k) for k in g.__dataclass_fields__}, "experts": experts,
             "tensor_bytes": weights, "file_bytes": f.file_size, "quant_bytes": mix,
             "context": context, "kv_bytes": {mode: kv_bytes(g, context, mode) for mode in KV_MODES},
+            "gpu_bytes": {mode: gpu_bytes(parsed, context, mode) for mode in KV_MODES},
             "tokenizer": f.get_str("tokenizer.ggml.model", None),
             "chat_template": ChatTemplate(f.get_str("tokenizer.chat_template", None)).describe()}
 
@@ -117,6 +121,35 @@ def file_warnings(parsed: DenseFile) -> list:
         return []
     return [f"metadata key '{g.arch}.attention.sliding_window' ({g.declared_window}) is not applied: every layer "
             f"attends to the whole context, as llama.cpp's {g.arch} graph does"]
+
+
+def gpu_bytes(parsed: DenseFile, context: int, kv: str = "f32", limits=WEBGPU_DEFAULT_LIMITS) -> dict:
+    """What loading the file and opening one session of ``context`` positions take on a device
+    with ``limits`` (WebGPU's defaults: 128 MiB bindings), by kind, before anything loads: the
+    weights in the file's bits (row-split as ``qmatmul.upload`` splits them; stacked neighbours
+    and their parts round differently, by a few 16-byte paddings a tensor) and the session's buffers, counted by opening it on a
+    ``SizingDevice``."""
+    f, g = parsed.gguf, parsed.geometry
+    weights, vectors = 0, set(g.vector_tensors())
+    for name, ne in g.tensors():
+        t = f[name]
+        if name in vectors:
+            weights += -(-t.nbytes // (F32 * ALIGN)) * F32 * ALIGN  # the vectors buffer
+        else:
+            weights += qmatmul.packed_bytes(name, t.type.name, t.rows, t.row_width, limits.max_storage_binding)
+    sizing = SizingDevice(limits)
+    DenseSession(_SizedModel(g, sizing), context=context, kv=kv)
+    session = sizing.counters.bytes_allocated
+    out = {"weights": weights, "kv": session.get("kv", 0), "scratch": session.get("scratch", 0) + session.get("session", 0)}
+    return out | {"total": sum(out.values())}
+
+
+@dataclass(frozen=True)
+class _SizedModel:
+    """What a session reads of its model when it opens (``gpu_bytes``)."""
+
+    geometry: DenseGeometry
+    device: Device
 
 
 def default_context(g: DenseGeometry) -> int:
@@ -180,6 +213,7 @@ class DenseGpu:
         self.tokenizer = tokenizer_from_gguf(metadata)
         template = metadata.get("tokenizer.chat_template")
         self.chat = DenseChat(self.tokenizer, template if isinstance(template, str) else None)
+        self.pooling = file_pooling(f, g.arch)  # embeddings: the final hidden states pooled (pooling.py)
         self.shapes = [attention_shape(g, layer) for layer in range(g.num_layers)]
         for shape in self.shapes:
             shape.check()
@@ -243,7 +277,8 @@ class DenseGpu:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(numerics=NUMERICS, mask=DenseSession.supports_mask, verify=DenseSession.supports_verify)
+        return Capabilities(numerics=NUMERICS, mask=DenseSession.supports_mask, verify=DenseSession.supports_verify,
+                            pooling=self.pooling)
 
     @property
     def name(self) -> str:
@@ -307,6 +342,30 @@ class DenseSession(ChunkedSession):
         self.conv_slots = conv_ops.ring_slots(T, g.conv_taps) if g.conv_layers else 0
         self.conv_rings = {i: dev.buffer(F32 * self.conv_slots * g.d_model, label=f"conv_ring.{i}", kind="kv")
                            for i in g.conv_layers}  # lfm2: each block's b·x rows by position (its state)
+
+    def embedding(self, ids: list) -> list:
+        """The model's pooling of the final hidden states (after the output norm) over ``ids``,
+        L2-normalised (``pooling.py``, as llama.cpp's embeddings): chunks run without a sampler,
+        and the rows the pooling needs are read back after each."""
+        self._check()
+        ids = session_ids(ids)
+        if not ids:
+            raise InputError("an embedding needs at least one token")
+        if self.position + len(ids) > self.context:
+            raise ContextFullError(f"embedding: {len(ids)} ids, more than the context of {self.context}")
+        d = self.model.geometry.d_model
+        pool, needed = Pool(self.model.pooling, d), rows_needed(self.model.pooling, len(ids))
+        length = min(self.chunk, self.device.prefill_chunk or self.chunk)
+        for start in range(0, len(ids), length):
+            part = ids[start : start + length]
+            self._run_chunk(part, None)
+            rows = [r - start for r in needed if start <= r < start + len(part)]
+            if rows:
+                first, count = rows[0], rows[-1] - rows[0] + 1
+                data = struct.unpack(f"<{count * d}f", self.device.read(self.h, 4 * count * d, 4 * first * d))
+                for r in range(count):
+                    pool.add(data[r * d : (r + 1) * d])
+        return pool.vector()
 
     def _build(self, key: PlanKey) -> Plan:
         m, g, dev = self.model, self.model.geometry, self.device

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formats.cact import EMBEDDING_HEAD
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -32,3 +34,10 @@ class Capabilities:
     numerics: tuple = ("float",)  # the numerics it runs (needle_wgpu.models.needle3_numerics)
     mask: bool = False  # constrained decoding: the sampler takes an allowed-id mask
     verify: bool = False  # speculative verify: a sampler after every position of a chunk
+    pooling: str = ""  # dense embeddings: how the final hidden states pool (pooling.POOLINGS); "" for none
+
+    @property
+    def embeds(self) -> bool:
+        """Whether ``Model.embed`` serves this model: an embedding head (Needle 3's code 1) or a
+        pooling of the last hidden states (dense files)."""
+        return EMBEDDING_HEAD in self.heads or bool(self.pooling)

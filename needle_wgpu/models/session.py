@@ -223,22 +223,41 @@ class ChunkedSession:
         on the GPU)."""
         return self._round(count, sampling, self.context - 1 - self.position, read)
 
+    def submit_round(self, count: int, sampling: Sampling):
+        """``decode_round`` without its readback: the round is submitted and the position
+        advanced; ``collect_round`` reads its ids later, so the next round can be submitted
+        first (pipelining: the GPU runs one round while the host handles the one before).
+        None when no step fits the context."""
+        return self._submit(count, sampling, self.context - self.position)
+
+    def collect_round(self, submitted) -> list:
+        """The ids of a round ``submit_round`` returned (waits for that round only where the
+        back end can tell rounds apart, ``Device.collect``)."""
+        if submitted is None:
+            return []
+        self._check()
+        return list(struct.unpack(f"<{submitted.size // 4}I", self.device.collect(submitted)))
+
     def _round(self, count, sampling: Sampling, room: int, read: bool = True) -> list:
+        submitted = self._submit(count, sampling, room, read)
+        return self.collect_round(submitted) if read else []
+
+    def _submit(self, count, sampling: Sampling, room: int, read: bool = True):
         self._check()
         sampling = session_sampling(sampling, self.logit_rows, required=True)
         count = clamp_count(count, 0, max(room, 0), 0)
         if count == 0:
-            return []
+            return None
         start, dev = self.position, self.device
         if self.round_records is None or self.round_records.size < 16 * count:
             with recording(self._owned):
                 self.round_records = dev.buffer(16 * max(count, 16), label="round", kind="session")
         dev.write(self.round_records, b"".join(struct.pack("<4I", start + i, 0, 0, 0) for i in range(count)))
-        dev.run_steps(self._plan(PlanKey(1, sampling)), self.round_records, self.step_uniform, count)
+        readback = (self.tokens, 4 * (start + 1), 4 * count) if read else None
+        submitted = dev.run_steps(self._plan(PlanKey(1, sampling)), self.round_records, self.step_uniform, count,
+                                  readback=readback)
         self.position += count
-        if not read:
-            return []
-        return list(struct.unpack(f"<{count}I", dev.read(self.tokens, 4 * count, 4 * (start + 1))))
+        return submitted
 
     def verify_drafts(self, first: int, source: "ChunkedSession", count: int) -> tuple:
         """``verify([first] + drafts)`` where the drafts are the ``count`` ids another session

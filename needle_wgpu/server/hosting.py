@@ -75,7 +75,7 @@ class ModelHost:
             if model is not None:
                 described = model.describe() if hasattr(model.gpu, "describe") else {}
                 entry["meta"] = {"family": described.get("family"), "file_name": model.gpu.name,
-                                 "context": spec.context, "embeddings": 1 in model.capabilities.heads,
+                                 "context": spec.context, "embeddings": model.capabilities.embeds,
                                  "kv_bytes_per_sequence": scheduler.kv_bytes}
             out.append(entry)
         return out

@@ -24,9 +24,6 @@ from ..generation import openai_finish_reason
 from ..openai import chat_completion, openai_logprobs
 from .errors import bad_request
 
-EMBEDDING_HEAD = 1  # the Needle 3 manifest code of the embedding head (§7)
-
-
 def chat_body(request: dict, *, served: str, stream: bool, include_usage: bool, context=None, kv=None):
     """``request``: ``Model.chat``'s keywords (messages, tools, tool_choice, response_format and
     the sampling options)."""
@@ -113,13 +110,13 @@ def completion_body(prompt, *, served: str, stream: bool, include_usage: bool, o
 
 
 def embeddings_body(inputs: list, *, served: str, encoding_format: str):
-    """``inputs``: texts, or lists of token ids. Needle 3 files with an embedding head only."""
+    """``inputs``: texts, or lists of token ids. ``Model.embed`` per input: a Needle 3 file's
+    embedding head or a dense file's pooled last hidden states."""
 
     def body(model, job):
-        if EMBEDDING_HEAD not in model.capabilities.heads:
-            raise bad_request(f"the model {served!r} has no embedding head: embeddings come from Needle 3 files "
-                              "with one (the engine does not read back a dense model's hidden states)",
-                              param="model", code="embeddings_unsupported")
+        if not model.capabilities.embeds:
+            raise bad_request(f"the model {served!r} gives no embeddings (no embedding head, and a pooling "
+                              "that is not mean, cls or last)", param="model", code="embeddings_unsupported")
         data, tokens = [], 0
         for index, item in enumerate(inputs):
             if job.should_stop(index, len(inputs)):
@@ -127,7 +124,7 @@ def embeddings_body(inputs: list, *, served: str, encoding_format: str):
             if isinstance(item, str):
                 if model.tokenizer is None:
                     raise bad_request("this model file has no tokenizer: give token ids as input", param="input")
-                ids = [model.tokenizer.bos_id] + model.encode(item)  # as Model.embed(text) encodes it
+                ids = model.embedding_ids(item)  # as Model.embed(text) encodes it
             else:
                 ids = list(item)
             vector = model.embed(ids=ids)

@@ -72,3 +72,39 @@ def test_a_conversation_keeps_the_cache_one_step_at_a_time_would(synthetic_llama
                       conversation.turns[1].prefilled, conversation.session.position)
         conversation.close()
     assert replies[5] == replies[1]
+
+
+@pytest.mark.parametrize("family", ["synthetic_llama", "needle3_tiny"])
+def test_the_context_end_inside_a_round_ends_where_one_step_ends(request, family):
+    """A round that reaches the context's last position keeps every id one step at a time
+    gives there (the ids sampled at the last positions are still the generation's)."""
+    model = request.getfixturevalue(family)
+    want = model.generate(ids=[2, 40, 41, 42, 43], max_tokens=40, context=16, tokens_per_round=1)
+    assert want.finish_reason == "length" and len(want.ids) == 16 - 5
+    for k in (3, 4, 8):
+        got = model.generate(ids=[2, 40, 41, 42, 43], max_tokens=40, context=16, tokens_per_round=k)
+        assert (got.ids, got.finish_reason) == (want.ids, want.finish_reason), k
+
+
+def test_two_rounds_in_flight_read_what_one_round_at_a_time_reads(synthetic_llama, device):
+    """Pipelining at the session level: the second round is submitted before the first is
+    read; each readback is staged inside its own submit on the native back end (waiting for
+    that submit alone) and the ids are those of rounds run one after the other."""
+    greedy = needle_wgpu.sampling.Sampling()
+    plain = synthetic_llama.gpu.session(context=64)
+    piped = synthetic_llama.gpu.session(context=64)
+    try:
+        plain.prefill([2, 40, 41], greedy)
+        want = plain.decode_round(5, greedy) + plain.decode_round(7, greedy)
+        piped.prefill([2, 40, 41], greedy)
+        before = device.counters.bytes_read
+        first = piped.submit_round(5, greedy)
+        second = piped.submit_round(7, greedy)
+        assert first.staged is not None and second.staged is not None  # wgpu-native's submit-for-index path
+        got = piped.collect_round(first) + piped.collect_round(second)
+        assert got == want and piped.position == plain.position == 15
+        assert device.counters.bytes_read - before == 4 * 12
+        assert piped.submit_round(100, greedy) is not None and piped.submit_round(1, greedy) is None  # context full
+    finally:
+        plain.close()
+        piped.close()

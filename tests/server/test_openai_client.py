@@ -140,9 +140,19 @@ def test_embeddings_are_the_heads_vectors(client):
         assert abs(math.sqrt(sum(v * v for v in as_float.embedding)) - 1) < 1e-5
 
 
-def test_embeddings_of_a_model_without_a_head_are_a_400(client):
-    with pytest.raises(openai.BadRequestError, match="no embedding head"):
-        client.embeddings.create(model="tiny", input="hello")
+def test_embeddings_of_a_dense_model_are_its_pooled_hidden_states(client, tiny_gguf):
+    """A dense file's embeddings: ``Model.embed`` (mean pooling of the final hidden states,
+    L2-normalised), the text encoded as a raw prompt (BOS as the file says)."""
+    answer = client.embeddings.create(model="tiny", input=["hello there", "a longer text to embed"],
+                                      encoding_format="float")
+    local = needle_wgpu.load(str(tiny_gguf))
+    assert [d.index for d in answer.data] == [0, 1]
+    assert answer.usage.prompt_tokens == sum(len(local.embedding_ids(t)) for t in ("hello there", "a longer text to embed"))
+    for got, text in zip(answer.data, ("hello there", "a longer text to embed")):
+        vector = local.embed(text)
+        assert len(got.embedding) == local.geometry.d_model
+        assert max(abs(a - b) for a, b in zip(got.embedding, vector)) <= 1e-6
+    assert answer.data[0].embedding != answer.data[1].embedding
 
 
 def test_an_unknown_model_is_a_404(client):

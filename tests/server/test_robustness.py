@@ -69,6 +69,8 @@ HOSTILE = [
     ("an empty id list", {"model": "needle", "input": [[]]}, "/v1/embeddings", 400),
     ("negative ids", {"model": "needle", "input": [[2, -5, 2 ** 40]]}, "/v1/embeddings", 200),
     ("dimensions", {"model": "needle", "input": "x", "dimensions": 8}, "/v1/embeddings", 400),
+    ("dense ids past the vocabulary", {"model": "tiny", "input": [[2, -5, 2 ** 40]]}, "/v1/embeddings", 200),
+    ("a dense input past the context", {"model": "tiny", "input": [[7] * 600]}, "/v1/embeddings", 400),
     ("an unknown path", {}, "/v1/assistants", 404),
 ]
 
