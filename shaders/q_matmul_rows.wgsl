@@ -13,7 +13,13 @@
 // bounds and branches are constants (lavapipe recompiles shaders whose control flow depends on
 // uniforms).
 //
-// Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), TT, ACCUMULATE.
+// SPLIT (with TT = 4: a batch of decode steps, one position per sequence): each position is
+// summed exactly as the TT = 1 GEMV sums its one position (four partial sums per row, the same
+// products added in the same order, added up the same way at the end), so a sequence's row has
+// the same bits in a batch as alone, while the weights are still decoded once for the four.
+//
+// Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), TT, SPLIT,
+// ACCUMULATE.
 // Bindings: 0 params, 1 one part of the pack (word plane, then side plane), 2 x f32, 3 y f32.
 // Workgroups: (ceil(rows / 256) folded as x + z * num_workgroups.x, ceil(positions / TT)).
 
@@ -63,6 +69,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   var b1 = vec4<f32>(0.0);
   var b2 = vec4<f32>(0.0);
   var b3 = vec4<f32>(0.0);
+  // SPLIT: positions 2 and 3 (a_r: position 0, b_r: position 1).
+  var c0 = vec4<f32>(0.0);
+  var c1 = vec4<f32>(0.0);
+  var c2 = vec4<f32>(0.0);
+  var c3 = vec4<f32>(0.0);
+  var e0 = vec4<f32>(0.0);
+  var e1 = vec4<f32>(0.0);
+  var e2 = vec4<f32>(0.0);
+  var e3 = vec4<f32>(0.0);
   for (var b = 0u; b < ROW_BLOCKS; b++) {
     let block0 = row0 * ROW_BLOCKS + b;
     let block1 = row1 * ROW_BLOCKS + b;
@@ -70,23 +85,43 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     let block3 = row3 * ROW_BLOCKS + b;
     for (var s = 0u; s < BLOCK_QUADS / SUB_QUADS; s++) {
       // Scales decoded once per sub-block.
-      let c0 = sub_scale(block0, s);
-      let c1 = sub_scale(block1, s);
-      let c2 = sub_scale(block2, s);
-      let c3 = sub_scale(block3, s);
+      let k0 = sub_scale(block0, s);
+      let k1 = sub_scale(block1, s);
+      let k2 = sub_scale(block2, s);
+      let k3 = sub_scale(block3, s);
       let xs = x_base + b * BLOCK_QUADS + s * SUB_QUADS;
       for (var jj = 0u; jj < SUB_QUADS; jj++) {
         let xi = xs + jj;
         let x0 = x[xi];
-        let w0 = c0.x * sub_quad(block0, s, jj) + c0.y;
-        let w1 = c1.x * sub_quad(block1, s, jj) + c1.y;
-        let w2 = c2.x * sub_quad(block2, s, jj) + c2.y;
-        let w3 = c3.x * sub_quad(block3, s, jj) + c3.y;
+        let w0 = k0.x * sub_quad(block0, s, jj) + k0.y;
+        let w1 = k1.x * sub_quad(block1, s, jj) + k1.y;
+        let w2 = k2.x * sub_quad(block2, s, jj) + k2.y;
+        let w3 = k3.x * sub_quad(block3, s, jj) + k3.y;
         if (TT == 1u) {
           a0 += w0 * x0;
           a1 += w1 * x0;
           a2 += w2 * x0;
           a3 += w3 * x0;
+        } else if (SPLIT) {
+          let x1 = x[xi + at.p1];
+          let x2 = x[xi + at.p2];
+          let x3 = x[xi + at.p3];
+          a0 += w0 * x0;
+          a1 += w1 * x0;
+          a2 += w2 * x0;
+          a3 += w3 * x0;
+          b0 += w0 * x1;
+          b1 += w1 * x1;
+          b2 += w2 * x1;
+          b3 += w3 * x1;
+          c0 += w0 * x2;
+          c1 += w1 * x2;
+          c2 += w2 * x2;
+          c3 += w3 * x2;
+          e0 += w0 * x3;
+          e1 += w1 * x3;
+          e2 += w2 * x3;
+          e3 += w3 * x3;
         } else {
           let x1 = x[xi + at.p1];
           let x2 = x[xi + at.p2];
@@ -110,10 +145,26 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     }
   }
 
+  if (SPLIT) {
+    store_split(local_row, t0, tile, a0, b0, c0, e0);
+    if (local_row + 1u < params.rows) { store_split(local_row + 1u, t0, tile, a1, b1, c1, e1); }
+    if (local_row + 2u < params.rows) { store_split(local_row + 2u, t0, tile, a2, b2, c2, e2); }
+    if (local_row + 3u < params.rows) { store_split(local_row + 3u, t0, tile, a3, b3, c3, e3); }
+    return;
+  }
   store_rows(local_row, t0, tile, a0, b0);
   if (local_row + 1u < params.rows) { store_rows(local_row + 1u, t0, tile, a1, b1); }
   if (local_row + 2u < params.rows) { store_rows(local_row + 2u, t0, tile, a2, b2); }
   if (local_row + 3u < params.rows) { store_rows(local_row + 3u, t0, tile, a3, b3); }
+}
+
+// SPLIT: one row's four positions, each from its four partial sums added as the GEMV adds them.
+fn store_split(local_row: u32, t0: u32, tile: u32, p0: vec4<f32>, p1: vec4<f32>, p2: vec4<f32>, p3: vec4<f32>) {
+  let out = params.y_offset + t0 * params.y_stride + local_row;
+  store(out, (p0.x + p0.y) + (p0.z + p0.w));
+  if (tile > 1u) { store(out + params.y_stride, (p1.x + p1.y) + (p1.z + p1.w)); }
+  if (tile > 2u) { store(out + 2u * params.y_stride, (p2.x + p2.y) + (p2.z + p2.w)); }
+  if (tile > 3u) { store(out + 3u * params.y_stride, (p3.x + p3.y) + (p3.z + p3.w)); }
 }
 
 // Stores one row's sums: TT = 1: the four partial sums of `a` added; else positions 0..3 from

@@ -82,6 +82,7 @@ QTYPES = {t.name: t for t in (
 QTYPE_BY_ID = {t.ggml: t for t in QTYPES.values()}
 
 CPU_TILE = 8        # positions per invocation of the CPU-shape GEMM (§8: 4-8)
+SPLIT_TILE = 4      # CPU shape, gemm=False over several positions: positions per invocation
 CPU_ROWS = 256      # CPU shape: 64 invocations x 4 rows (q_matmul_rows.wgsl says why 4)
 GATHER_QUADS = 64   # get_rows: quads per workgroup
 GEMV_ROWS = 4       # GPU shape GEMV: rows per 256-thread workgroup
@@ -223,7 +224,10 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     """y[y_offset + t*y_stride + o - row_start] (+)= sum_i W[o, i] x[x_offset + t*x_stride + i]
     for pack rows o in [row_start, row_start + rows) and positions t < ``positions``.
 
-    ``gemm`` (default: positions > 1) picks the chunked GEMM over the per-position GEMV;
+    ``gemm`` (default: positions > 1) picks the chunked GEMM over the per-position GEMV (with
+    ``gemm`` False every position is summed exactly as a one-position GEMV sums it: a batch of
+    decode steps, one position per sequence; the CPU shape still decodes each weight once per
+    ``SPLIT_TILE`` positions);
     ``shape`` ("cpu" or "gpu", default from the adapter) the kernel shape of §8. ``accumulate``
     adds to y instead of storing (a residual add). x and y are f32; x offsets and strides must
     be multiples of 4 (vec4 loads).
@@ -235,8 +239,9 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
         raise ValueError("q_matmul reads x as vec4: x_stride and x_offset must be multiples of 4")
     consts = _block_consts(pack) + (("ACCUMULATE", accumulate),)
     if shape == "cpu":
-        tile = CPU_TILE if gemm else 1
-        key = KernelKey("q_matmul_rows", consts=consts + (("TT", tile),))
+        split = not gemm and positions > 1
+        tile = CPU_TILE if gemm else SPLIT_TILE if split else 1
+        key = KernelKey("q_matmul_rows", consts=consts + (("TT", tile), ("SPLIT", split)))
         rows_per_group, position_groups = CPU_ROWS, (positions + tile - 1) // tile
     elif shape == "gpu":
         entry = "gemm" if gemm else "gemv"

@@ -36,11 +36,11 @@ from ..formats.gguf import MAGIC, GgufFile, open_gguf
 from ..formats.gguf_tokenizer import tokenizer_from_gguf
 from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..kernels import attention as attention_ops
-from ..kernels import ffn as ffn_ops
 from ..kernels import moe as moe_ops
-from ..kernels import norm as norm_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
+from .dense_batch import DenseBatch
+from .dense_layers import build_layers, head
 from .protocols import Capabilities
 from .session import ChunkedSession, PlanKey, clamp_context
 
@@ -236,6 +236,11 @@ class DenseGpu:
     def session(self, context=None, kv="f32") -> "DenseSession":
         return DenseSession(self, context=context, kv=kv)
 
+    def batch(self, capacity: int):
+        """Scratch and plans for decode steps of up to ``capacity`` of this model's sessions at
+        once (``models.batch.DecodeBatch``)."""
+        return DenseBatch(self, capacity)
+
 
 class DenseSession(ChunkedSession):
     """One conversation: f32 K/V caches and scratch rows for a fixed context, cached plans."""
@@ -263,6 +268,7 @@ class DenseSession(ChunkedSession):
         self.qkv = s(qkv_width, "qkv")
         self.q = s(g.q_dim, "q")
         self.o = s(g.attn_out, "attention")
+        self.o_stride = g.attn_out
         self.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
         self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
         self.act = s(g.ff_dim * routed, "act")
@@ -281,89 +287,22 @@ class DenseSession(ChunkedSession):
         plan = Plan(dev, f"dense chunk T={T}")
         step = Binding(self.step_uniform)
         vec = m.vector_buffer
-        rules = g.rules
-        embed_scale = sqrt(d) if rules.embedding_scale else 1.0
+        embed_scale = sqrt(d) if g.rules.embedding_scale else 1.0
         qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
-        qkv_width = g.q_dim + g.k_dim + g.v_dim
-        for layer in range(g.num_layers):
-            w = m.layers[layer]
-            name = lambda n: f"blk.{layer}.{n}"
-            norm = m.vector(name("attn_norm.weight"))
-            if layer == 0:
-                norm_ops.rms_norm(plan, arena, x=self.x, weights=vec, y=self.h, width=d, positions=T,
-                                  eps=g.rms_eps, weight_at=norm, label="attn_norm 0")
-            else:
-                post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if rules.post_norms else None
-                norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                                      positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
-                                      label=f"ffn residual + attn_norm {layer}")
-            for pack, row in w["qkv"]:
-                qmatmul.q_matmul(plan, arena, pack, self.h, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
-                                 y_offset=row)
-            shape, vectors = self.shapes[layer], {}
-            if shape.norm != "none":
-                vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
-                               k_norm_at=m.vector(name("attn_k_norm.weight")))
-            if shape.bias:
-                vectors.update(q_bias_at=m.vector(name("attn_q.bias")), k_bias_at=m.vector(name("attn_k.bias")),
-                               v_bias_at=m.vector(name("attn_v.bias")))
+
+        def attend(plan: Plan, arena: UniformArena, layer: int, vectors: dict) -> None:
+            shape = self.shapes[layer]
             attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q,
                                   cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
                                   label=f"qk_rope {layer}", **vectors)
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
                                     positions=T, partials=self.partials, label=f"attention {layer}")
-            qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=g.attn_out,
-                             y_stride=d)
-            post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None
-            norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                                  positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")),
-                                  residual_weight_at=post, label=f"attention residual + ffn_norm {layer}")
-            if g.is_moe:
-                self._moe_ffn(plan, arena, w, T, layer)
-            else:
-                self._dense_ffn(plan, arena, w, T, act=rules.activation, label=f"ffn act {layer}")
-        post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if rules.post_norms else None
-        norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                              positions=T, eps=g.rms_eps, weight_at=m.vector("output_norm.weight"),
-                              residual_weight_at=post, label="ffn residual + output_norm")
+
         scored = T if key.all_logits else 1
-        qmatmul.q_matmul(plan, arena, m.head, self.h, self.logits, positions=scored, x_stride=d,
-                         x_offset=(T - scored) * d, y_stride=g.head_rows)
-        if g.output_bias:
-            norm_ops.add_bias(plan, arena, y=self.logits, bias=vec, width=g.head_rows, positions=scored,
-                              bias_at=m.vector("output.bias"), label="output.bias")
+        build_layers(plan, arena, m, self, T, attend, gemm=None)
+        head(plan, arena, m, self, T, scored)
         if key.sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=key.sample, mask=self.mask if key.mask else None)
         return plan
-
-    def _dense_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, act: str, label: str) -> None:
-        """branch = Wdown (act(Wgate h) · Wup h) (§3.2)."""
-        d, ff = self.model.geometry.d_model, self.model.geometry.ff_dim
-        for pack, row in w["gate_up"]:
-            qmatmul.q_matmul(plan, arena, pack, self.h, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
-                             y_offset=row)
-        ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
-                                 positions=T, act=act, gate_stride=2 * ff, up_stride=2 * ff, up_offset=ff,
-                                 label=label)
-        qmatmul.q_matmul(plan, arena, w["down"], self.act, self.branch, positions=T, x_stride=ff,
-                         y_stride=d)
-
-    def _moe_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, layer: int) -> None:
-        """branch = Σ_j w_j Wdown_e (silu(Wgate_e h) · Wup_e h) over each position's top-k experts
-        (§3.2 MoE); gate_up and act hold one row per (position, selected expert)."""
-        g = self.model.geometry
-        d, ff, experts, used = g.d_model, g.ff_dim, g.num_experts, g.num_experts_used
-        qmatmul.q_matmul(plan, arena, w["ffn_gate_inp"], self.h, self.router_logits, positions=T, x_stride=d,
-                         y_stride=experts)
-        moe_ops.route(plan, arena, logits=self.router_logits, routes=self.routes, positions=T, experts=experts,
-                      used=used, renormalise=g.rules.renormalise, label=f"moe route {layer}")
-        for name, offset in (("ffn_gate_exps", 0), ("ffn_up_exps", ff)):
-            moe_ops.routed_matmul(plan, arena, w[name], self.routes, self.h, self.gate_up, experts=experts,
-                                  used=used, positions=T, combine=False, x_stride=d, y_stride=2 * ff, y_offset=offset)
-        ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
-                                 positions=T * used, act=g.rules.activation, gate_stride=2 * ff, up_stride=2 * ff,
-                                 up_offset=ff, label=f"ffn act {layer}")
-        moe_ops.routed_matmul(plan, arena, w["ffn_down_exps"], self.routes, self.act, self.branch, experts=experts,
-                              used=used, positions=T, combine=True, x_stride=ff, y_stride=d)

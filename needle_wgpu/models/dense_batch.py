@@ -1,0 +1,87 @@
+"""The dense family's batched decode step (``models/batch.py``): ``build_layers`` over B rows,
+with each row's embedding gather, qk_rope, attention and sampler run on its own session.
+
+Per layer: the norms, q/k/v, Wo and the FFN once over the B rows (q_matmul's GEMV over B
+positions: each row summed exactly as a solo step sums it), then per row qk_rope (its q/k/v
+row, its position, its cache) and attention over its own cache into its attention-output row.
+"""
+
+from __future__ import annotations
+
+from ..constants import sqrt
+from ..gpu.device import Binding, Plan, UniformArena, recording
+from ..kernels import attention as attention_ops
+from ..kernels import moe as moe_ops
+from ..kernels import qmatmul
+from ..kernels import sample as sample_ops
+from .batch import BatchKey, DecodeBatch
+from .dense_layers import build_layers, head
+
+F32 = 4
+ROW_ALIGN = 64  # floats: a row bound on its own starts on a 256-byte boundary (WebGPU's largest
+#              minStorageBufferOffsetAlignment)
+
+
+class DenseBatch(DecodeBatch):
+    """Scratch rows for ``capacity`` sequences of one ``DenseGpu``."""
+
+    def __init__(self, model, capacity: int):
+        g = model.geometry
+        self.model, self.device, self.capacity = model, model.device, capacity
+        self.logit_rows = g.head_rows
+        self._start()
+        dev, B = self.device, capacity
+        routed = max(1, g.num_experts_used)
+        self.o_stride = -(-g.attn_out // ROW_ALIGN) * ROW_ALIGN
+
+        def s(width, label):
+            return dev.buffer(F32 * B * width, label=f"batch_{label}", kind="scratch")
+
+        with recording(self._owned):
+            self.x = s(g.d_model, "residual")
+            self.h = s(g.d_model, "normed")
+            self.qkv = s(g.q_dim + g.k_dim + g.v_dim, "qkv")
+            self.q = dev.buffer(F32 * g.q_dim, label="batch_q", kind="scratch")  # one row: used row by row
+            self.o = s(self.o_stride, "attention")
+            self.branch = s(g.d_model, "branch")
+            self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
+            self.act = s(g.ff_dim * routed, "act")
+            if g.is_moe:
+                self.router_logits = s(g.num_experts, "router_logits")
+                self.routes = dev.buffer(moe_ops.routes_bytes(B, routed), label="batch_routes", kind="scratch")
+            self.logits = s(g.head_rows, "logits")
+
+    def _build(self, key: BatchKey) -> Plan:
+        m, g, dev = self.model, self.model.geometry, self.device
+        B, d = len(key.rows), g.d_model
+        qkv_width = g.q_dim + g.k_dim + g.v_dim
+        arena = UniformArena(dev, capacity=max(1 << 14, 4096 * (g.num_layers + 2) * 16), label=f"uniforms.batch{B}")
+        plan = Plan(dev, f"dense batch B={B}")
+        steps = [Binding(row.session.step_uniform) for row in key.rows]
+        embed_scale = sqrt(d) if g.rules.embedding_scale else 1.0
+        for b, row in enumerate(key.rows):
+            qmatmul.get_rows(plan, arena, m.embedding, row.session.tokens, self.x, step=steps[b], positions=1,
+                             scale=embed_scale, out_stride=d, out_offset=b * d)
+
+        def attend(plan: Plan, arena: UniformArena, layer: int, vectors: dict) -> None:
+            for b, row in enumerate(key.rows):
+                session = row.session
+                shape, cache = session.shapes[layer], session.caches[layer]
+                at = b * qkv_width
+                attention_ops.qk_rope(plan, arena, steps[b], shape=shape, qkv=self.qkv, q_out=self.q, cache=cache,
+                                      positions=1, vectors=m.vector_buffer if vectors else None,
+                                      qkv_stride=qkv_width, q_offset=at, k_offset=at + g.q_dim,
+                                      v_offset=at + g.q_dim + g.k_dim, label=f"qk_rope {layer}.{b}", **vectors)
+                o_row = Binding(self.o, F32 * b * self.o_stride, F32 * g.attn_out)
+                attention_ops.attention(plan, arena, steps[b], shape=shape, q=self.q, cache=cache, o=o_row,
+                                        positions=1, partials=session.partials, label=f"attention {layer}.{b}")
+
+        build_layers(plan, arena, m, self, B, attend, gemm=False)
+        head(plan, arena, m, self, B, B, gemm=False)
+        for b, row in enumerate(key.rows):
+            session = row.session
+            sample_ops.sample(plan, arena, steps[b], logits=self.logits, logits_offset=b * g.head_rows,
+                              rows=g.head_rows, tokens=session.tokens, result=session.result,
+                              context=session.context, positions=1, sampling=row.sampling,
+                              mask=session.mask if row.masked else None)
+        return plan
