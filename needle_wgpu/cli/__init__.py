@@ -185,7 +185,14 @@ def cmd_bench(args) -> int:
     if args.constrained and (args.rungs is not None or args.speculative is not None):
         raise NeedleError("bench --constrained measures the grammar mask alone: run --rungs/--speculative "
                           "separately")
+    if args.streams is not None and (args.constrained or args.rungs is not None or args.speculative is not None):
+        raise NeedleError("bench --streams measures concurrent streams alone: run the other options separately")
     _check_writable(args.json)  # before minutes of benchmarking, not after
+    if args.streams is not None:
+        from .bench_streams import run_streams_benchmark  # needs the server's extra
+
+        run_streams_benchmark(args)
+        return 0
     (run_constrained_benchmark if args.constrained else run_benchmark)(args)
     return 0
 
@@ -311,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the host cost per token at these decode steps per submit (default: 1 4)")
     bench.add_argument("--speculative", nargs="*", metavar="DEPTH,K", default=None,
                        help="also time greedy self-speculative decoding for these pairs (none: a default set)")
+    bench.add_argument("--streams", default=None, metavar="N,N,...",
+                       help="concurrent streams through the server's batching scheduler (e.g. 1,4,8,16): aggregate "
+                            "and per-stream decode tok/s and time to first token per count")
     bench.set_defaults(run=cmd_bench)
 
     heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")
