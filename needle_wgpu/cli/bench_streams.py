@@ -23,9 +23,10 @@ from .options import Progress
 WAIT_S = 3600  # a run that takes longer than this is reported as unfinished
 
 
-def _stream_body(prompt: list, tokens: int):
+def _stream_body(prompt: list, tokens: int, context: int):
     def body(model, job):
-        for event in model.stream(ids=prompt, max_tokens=tokens, should_stop=job.should_stop, temperature=0.0):
+        for event in model.stream(ids=prompt, max_tokens=tokens, should_stop=job.should_stop, temperature=0.0,
+                                  context=context):
             if event.id is not None:
                 yield time.perf_counter()
 
@@ -33,6 +34,8 @@ def _stream_body(prompt: list, tokens: int):
 
 
 def run_streams(model, counts: list, prompt_tokens: int, decode_tokens: int, seed: int = 0) -> list:
+    """One run per stream count; each stream's session holds ``prompt_tokens + decode_tokens + 2``
+    positions (as ``bench`` sizes its one session)."""
     from ..server.scheduler import Job, Scheduler  # the server's extra is needed only here
 
     g, device = model.geometry, model.gpu.device
@@ -60,7 +63,8 @@ def run_streams(model, counts: list, prompt_tokens: int, decode_tokens: int, see
             return on
 
         prompts = [[2] + [rng.randrange(4, g.vocab) for _ in range(prompt_tokens - 1)] for _ in range(count)]
-        warm = Job("bench", _stream_body(prompts[0][:8], 2), lambda event: done.release() if event[0] != "data" else None,
+        context = prompt_tokens + decode_tokens + 2
+        warm = Job("bench", _stream_body(prompts[0][:8], 2, context), lambda event: done.release() if event[0] != "data" else None,
                    time_limit_s=WAIT_S)
         scheduler.submit(warm)  # compiles the pipelines and builds the one-row plans
         done.acquire(timeout=WAIT_S)
@@ -69,7 +73,7 @@ def run_streams(model, counts: list, prompt_tokens: int, decode_tokens: int, see
         steps0, rows0 = stepper.steps, stepper.rows
         t0 = time.perf_counter()
         for i in range(count):
-            scheduler.submit(Job("bench", _stream_body(prompts[i], decode_tokens), deliver(i), time_limit_s=WAIT_S))
+            scheduler.submit(Job("bench", _stream_body(prompts[i], decode_tokens, context), deliver(i), time_limit_s=WAIT_S))
         finished = sum(done.acquire(timeout=WAIT_S) for _ in range(count))
         wall = time.perf_counter() - t0
         dispatches, submits = device.counters.dispatches - before[0], device.counters.submits - before[1]
