@@ -69,15 +69,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   var b1 = vec4<f32>(0.0);
   var b2 = vec4<f32>(0.0);
   var b3 = vec4<f32>(0.0);
-  // SPLIT: positions 2 and 3 (a_r: position 0, b_r: position 1).
-  var c0 = vec4<f32>(0.0);
-  var c1 = vec4<f32>(0.0);
-  var c2 = vec4<f32>(0.0);
-  var c3 = vec4<f32>(0.0);
-  var e0 = vec4<f32>(0.0);
-  var e1 = vec4<f32>(0.0);
-  var e2 = vec4<f32>(0.0);
-  var e3 = vec4<f32>(0.0);
+  // SPLIT: sp[8 r + j] holds row r's four partial sums of position j (constant indices only).
+  var sp: array<vec4<f32>, 32>;
   for (var b = 0u; b < ROW_BLOCKS; b++) {
     let block0 = row0 * ROW_BLOCKS + b;
     let block1 = row1 * ROW_BLOCKS + b;
@@ -103,25 +96,47 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
           a2 += w2 * x0;
           a3 += w3 * x0;
         } else if (SPLIT) {
+          sp[0u] += w0 * x0;
+          sp[8u] += w1 * x0;
+          sp[16u] += w2 * x0;
+          sp[24u] += w3 * x0;
           let x1 = x[xi + at.p1];
+          sp[1u] += w0 * x1;
+          sp[9u] += w1 * x1;
+          sp[17u] += w2 * x1;
+          sp[25u] += w3 * x1;
           let x2 = x[xi + at.p2];
+          sp[2u] += w0 * x2;
+          sp[10u] += w1 * x2;
+          sp[18u] += w2 * x2;
+          sp[26u] += w3 * x2;
           let x3 = x[xi + at.p3];
-          a0 += w0 * x0;
-          a1 += w1 * x0;
-          a2 += w2 * x0;
-          a3 += w3 * x0;
-          b0 += w0 * x1;
-          b1 += w1 * x1;
-          b2 += w2 * x1;
-          b3 += w3 * x1;
-          c0 += w0 * x2;
-          c1 += w1 * x2;
-          c2 += w2 * x2;
-          c3 += w3 * x2;
-          e0 += w0 * x3;
-          e1 += w1 * x3;
-          e2 += w2 * x3;
-          e3 += w3 * x3;
+          sp[3u] += w0 * x3;
+          sp[11u] += w1 * x3;
+          sp[19u] += w2 * x3;
+          sp[27u] += w3 * x3;
+          if (TT == 8u) {
+            let x4 = x[xi + at.p4];
+            sp[4u] += w0 * x4;
+            sp[12u] += w1 * x4;
+            sp[20u] += w2 * x4;
+            sp[28u] += w3 * x4;
+            let x5 = x[xi + at.p5];
+            sp[5u] += w0 * x5;
+            sp[13u] += w1 * x5;
+            sp[21u] += w2 * x5;
+            sp[29u] += w3 * x5;
+            let x6 = x[xi + at.p6];
+            sp[6u] += w0 * x6;
+            sp[14u] += w1 * x6;
+            sp[22u] += w2 * x6;
+            sp[30u] += w3 * x6;
+            let x7 = x[xi + at.p7];
+            sp[7u] += w0 * x7;
+            sp[15u] += w1 * x7;
+            sp[23u] += w2 * x7;
+            sp[31u] += w3 * x7;
+          }
         } else {
           let x1 = x[xi + at.p1];
           let x2 = x[xi + at.p2];
@@ -146,25 +161,23 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   }
 
   if (SPLIT) {
-    store_split(local_row, t0, tile, a0, b0, c0, e0);
-    if (local_row + 1u < params.rows) { store_split(local_row + 1u, t0, tile, a1, b1, c1, e1); }
-    if (local_row + 2u < params.rows) { store_split(local_row + 2u, t0, tile, a2, b2, c2, e2); }
-    if (local_row + 3u < params.rows) { store_split(local_row + 3u, t0, tile, a3, b3, c3, e3); }
+    for (var r = 0u; r < ROWS; r++) {
+      if (local_row + r < params.rows) {
+        let out = params.y_offset + t0 * params.y_stride + local_row + r;
+        for (var j = 0u; j < TT; j++) {
+          if (j < tile) {
+            let p = sp[8u * r + j];
+            store(out + j * params.y_stride, (p.x + p.y) + (p.z + p.w));
+          }
+        }
+      }
+    }
     return;
   }
   store_rows(local_row, t0, tile, a0, b0);
   if (local_row + 1u < params.rows) { store_rows(local_row + 1u, t0, tile, a1, b1); }
   if (local_row + 2u < params.rows) { store_rows(local_row + 2u, t0, tile, a2, b2); }
   if (local_row + 3u < params.rows) { store_rows(local_row + 3u, t0, tile, a3, b3); }
-}
-
-// SPLIT: one row's four positions, each from its four partial sums added as the GEMV adds them.
-fn store_split(local_row: u32, t0: u32, tile: u32, p0: vec4<f32>, p1: vec4<f32>, p2: vec4<f32>, p3: vec4<f32>) {
-  let out = params.y_offset + t0 * params.y_stride + local_row;
-  store(out, (p0.x + p0.y) + (p0.z + p0.w));
-  if (tile > 1u) { store(out + params.y_stride, (p1.x + p1.y) + (p1.z + p1.w)); }
-  if (tile > 2u) { store(out + 2u * params.y_stride, (p2.x + p2.y) + (p2.z + p2.w)); }
-  if (tile > 3u) { store(out + 3u * params.y_stride, (p3.x + p3.y) + (p3.z + p3.w)); }
 }
 
 // Stores one row's sums: TT = 1: the four partial sums of `a` added; else positions 0..3 from
