@@ -9,10 +9,13 @@ from that session's own state: its token and position (the embedding gather read
 arithmetic (the matmuls keep the per-position GEMV; the per-sequence ops run at T = 1), so a
 sequence's ids are the same in any batch as alone (``tests/gpu/test_batch.py``).
 
-A family provides ``GpuModel.batch(rows)``: a ``DecodeBatch`` subclass whose ``_build(key)``
-is the batched forward for one composition (``BatchKey``). Plans are cached by composition:
-a sequence that joins or leaves changes the key, and the plan of a composition seen before is
-reused (bounded, least recently used out).
+A family provides ``GpuModel.batch(rows)``: a ``DecodeBatch`` subclass that builds three kinds
+of pieces (lists of dispatches), each once: ``_shared(B, ...)`` the rows' common work for a
+batch of B (its ``attend`` callback marks where each layer's per-sequence work goes),
+``_row(session, b)`` what row b does as that session (before the layers, then per layer), and
+``_sample(...)`` its sampler. A composition (``BatchKey``) is these pieces put in order, so a
+sequence that joins or leaves costs no new pipeline or bind group once its pieces exist; the
+assembled plans are cached too (bounded, least recently used out).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import ContextFullError, InputError
-from ..gpu.device import Device, Plan, recording
+from ..gpu.device import Device, Plan, UniformArena, recording
 from ..logprobs import row_values, token_logprob
 from .session import ChunkedSession, session_sampling
 
@@ -69,10 +72,83 @@ class DecodeBatch:
         self._owned: list = []
         with recording(self._owned):
             self.results = self.device.buffer(16 * self.capacity, label="batch_results", kind="session")
+            self._arena = UniformArena(self.device, capacity=1 << 16, label="uniforms.batch_rows")  # rows, samplers
+        self._shared_pieces: dict = {}  # B -> (dispatches, where each layer's per-row work goes, their arena)
+        self._rows: dict = {}  # (session, row) -> [what comes before the layers, then one list per layer]
+        self._samplers: dict = {}  # (session, row, sampling, masked) -> the sampler's dispatches
         self.plans_built = 0
 
-    def _build(self, key: BatchKey) -> Plan:
+    # ---------------------------------------------------------------- a family's pieces
+    def _shared(self, plan: Plan, arena: UniformArena, B: int, attend) -> None:
+        """Add the common work of B rows to ``plan``; call ``attend(plan, arena, layer, ...)``
+        where each layer's per-row work goes (it records the place)."""
         raise NotImplementedError
+
+    def _row(self, plan: Plan, arena: UniformArena, session, b: int, layer: int | None) -> None:
+        """Add what row ``b`` does as ``session``: before the layers (``layer`` None), or in
+        ``layer`` (the shared pieces of some B were built first)."""
+        raise NotImplementedError
+
+    def _sample(self, plan: Plan, arena: UniformArena, row: BatchRow, b: int) -> None:
+        raise NotImplementedError
+
+    def _layers(self) -> int:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- assembly
+    def _build(self, key: BatchKey) -> Plan:
+        B = len(key.rows)
+        shared, marks = self._shared_for(B)
+        rows = [self._row_pieces(row.session, b) for b, row in enumerate(key.rows)]
+        dispatches = [d for row in rows for d in row[0]]
+        start = 0
+        for layer, mark in enumerate(marks):
+            dispatches += shared[start:mark]
+            for row in rows:
+                dispatches += row[1 + layer]
+            start = mark
+        dispatches += shared[start:]
+        for b, row in enumerate(key.rows):
+            dispatches += self._sampler_pieces(row, b)
+        plan = Plan(self.device, f"batch B={B}")
+        plan.dispatches = dispatches
+        return plan
+
+    def _shared_for(self, B: int) -> tuple:
+        held = self._shared_pieces.get(B)
+        if held is None:
+            arena = UniformArena(self.device, capacity=1 << 16, label=f"uniforms.batch{B}")
+            plan, marks = Plan(self.device, f"batch B={B} shared"), []
+
+            def attend(plan: Plan, arena: UniformArena, layer: int, *extra) -> None:
+                marks.append(len(plan.dispatches))
+
+            with recording(self._owned):
+                self._shared(plan, arena, B, attend)
+            held = self._shared_pieces[B] = (plan.dispatches, marks, arena)
+        return held[0], held[1]
+
+    def _row_pieces(self, session, b: int) -> list:
+        held = self._rows.get((session, b))
+        if held is None:
+            held = []
+            for layer in (None, *range(self._layers())):
+                plan = Plan(self.device, f"batch row {b}")
+                with recording(self._owned):
+                    self._row(plan, self._arena, session, b, layer)
+                held.append(plan.dispatches)
+            self._rows[(session, b)] = held
+        return held
+
+    def _sampler_pieces(self, row: BatchRow, b: int) -> list:
+        key = (row.session, b, row.sampling, row.masked)
+        held = self._samplers.get(key)
+        if held is None:
+            plan = Plan(self.device, f"batch sampler {b}")
+            with recording(self._owned):
+                self._sample(plan, self._arena, row, b)
+            held = self._samplers[key] = plan.dispatches
+        return held
 
     def _plan(self, key: BatchKey) -> Plan:
         plan = self._plans.pop(key, None)
@@ -85,9 +161,12 @@ class DecodeBatch:
         return plan
 
     def forget(self, session: ChunkedSession) -> None:
-        """Drop the plans that bind ``session``'s buffers (before it is closed)."""
+        """Drop the plans and pieces that bind ``session``'s buffers (before it is closed)."""
         for key in [key for key in self._plans if any(row.session is session for row in key.rows)]:
             del self._plans[key]
+        for cache in (self._rows, self._samplers):
+            for key in [key for key in cache if key[0] is session]:
+                del cache[key]
 
     def step(self, requests: list) -> list:
         """One decode step of every request's session (``StepRequest``s, distinct sessions of this
@@ -122,6 +201,7 @@ class DecodeBatch:
         return out
 
     def close(self) -> None:
-        self._plans.clear()
+        for cache in (self._plans, self._shared_pieces, self._rows, self._samplers):
+            cache.clear()
         self.device.free(self._owned)
         self._owned.clear()

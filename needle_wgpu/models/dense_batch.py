@@ -14,7 +14,7 @@ from ..kernels import attention as attention_ops
 from ..kernels import moe as moe_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
-from .batch import BatchKey, DecodeBatch
+from .batch import DecodeBatch
 from .dense_layers import build_layers, head
 
 F32 = 4
@@ -50,104 +50,43 @@ class DenseBatch(DecodeBatch):
                 self.router_logits = s(g.num_experts, "router_logits")
                 self.routes = dev.buffer(moe_ops.routes_bytes(B, routed), label="batch_routes", kind="scratch")
             self.logits = s(g.head_rows, "logits")
-            self._arena = UniformArena(dev, capacity=1 << 16, label="uniforms.batch_rows")  # the rows' pieces
-        self._shared_plans: dict = {}  # B -> (dispatches, attention marks, their arena)
-        self._rows: dict = {}  # (session, row) -> [embedding gather, per layer qk_rope + attention]
-        self._samplers: dict = {}  # (session, row, sampling, masked) -> the sampler's dispatches
-        self._vectors: dict = {}  # layer -> its qk_rope vectors (norm weights, biases)
+        self._vectors: dict = {}  # layer -> its qk_rope vectors (norm weights, biases), found by _shared
 
-    def _build(self, key: BatchKey) -> Plan:
-        """The composition's plan, put together from cached pieces: the shared dispatches for B
-        rows (``_shared``), each row's pieces for its session at its row (``_row``) between them,
-        and each row's sampler; a new composition costs no new bind group once its pieces exist."""
-        B = len(key.rows)
-        shared, marks = self._shared(B)
-        rows = [self._row(row.session, b) for b, row in enumerate(key.rows)]
-        dispatches = [d for row in rows for d in row[0]]  # the embedding gathers
-        start = 0
-        for layer, mark in enumerate(marks):
-            dispatches += shared[start:mark]
-            for row in rows:
-                dispatches += row[1 + layer]
-            start = mark
-        dispatches += shared[start:]
-        for b, row in enumerate(key.rows):
-            dispatches += self._sampler(row, b)
-        plan = Plan(self.device, f"dense batch B={B}")
-        plan.dispatches = dispatches
-        return plan
+    def _layers(self) -> int:
+        return self.model.geometry.num_layers
 
-    def forget(self, session) -> None:
-        super().forget(session)
-        for cache in (self._rows, self._samplers):
-            for key in [key for key in cache if key[0] is session]:
-                del cache[key]
+    def _shared(self, plan: Plan, arena: UniformArena, B: int, attend) -> None:
+        m = self.model
 
-    def close(self) -> None:
-        for cache in (self._shared_plans, self._rows, self._samplers):
-            cache.clear()
-        super().close()
+        def mark(plan: Plan, arena: UniformArena, layer: int, vectors: dict) -> None:
+            self._vectors[layer] = vectors
+            attend(plan, arena, layer)
 
-    def _shared(self, B: int) -> tuple:
-        """The layers and head over B rows without the per-sequence ops: (dispatches, the index
-        where each layer's attention goes)."""
-        held = self._shared_plans.get(B)
-        if held is None:
-            m, dev = self.model, self.device
-            arena = UniformArena(dev, capacity=max(1 << 14, 4096 * (m.geometry.num_layers + 2) * 16),
-                                 label=f"uniforms.batch{B}")
-            plan, marks = Plan(dev, f"dense batch B={B} shared"), []
+        build_layers(plan, arena, m, self, B, mark, gemm=False)
+        head(plan, arena, m, self, B, B, gemm=False)
 
-            def attend(plan: Plan, arena: UniformArena, layer: int, vectors: dict) -> None:
-                marks.append(len(plan.dispatches))
-                self._vectors[layer] = vectors
-
-            with recording(self._owned):
-                build_layers(plan, arena, m, self, B, attend, gemm=False)
-                head(plan, arena, m, self, B, B, gemm=False)
-            held = self._shared_plans[B] = (plan.dispatches, marks, arena)
-        return held[0], held[1]
-
-    def _row(self, session, b: int) -> list:
-        """Row ``b`` as ``session``: [its embedding gather, then per layer its qk_rope and
-        attention], each a list of dispatches."""
-        held = self._rows.get((session, b))
-        if held is not None:
-            return held
+    def _row(self, plan: Plan, arena: UniformArena, session, b: int, layer: int | None) -> None:
         m, g = self.model, self.model.geometry
-        qkv_width = g.q_dim + g.k_dim + g.v_dim
         step = Binding(session.step_uniform)
-        plan, pieces = Plan(self.device, f"batch row {b}"), []
-        with recording(self._owned):
-            qmatmul.get_rows(plan, self._arena, m.embedding, session.tokens, self.x, step=step, positions=1,
+        if layer is None:
+            qmatmul.get_rows(plan, arena, m.embedding, session.tokens, self.x, step=step, positions=1,
                              scale=sqrt(g.d_model) if g.rules.embedding_scale else 1.0, out_stride=g.d_model,
                              out_offset=b * g.d_model)
-            pieces.append(plan.dispatches)
-            at = b * qkv_width
-            o_row = Binding(self.o, F32 * b * self.o_stride, F32 * g.attn_out)
-            for layer in range(g.num_layers):
-                plan.dispatches = []
-                shape, cache, vectors = session.shapes[layer], session.caches[layer], self._vectors[layer]
-                attention_ops.qk_rope(plan, self._arena, step, shape=shape, qkv=self.qkv, q_out=self.q, cache=cache,
-                                      positions=1, vectors=m.vector_buffer if vectors else None,
-                                      qkv_stride=qkv_width, q_offset=at, k_offset=at + g.q_dim,
-                                      v_offset=at + g.q_dim + g.k_dim, label=f"qk_rope {layer}.{b}", **vectors)
-                attention_ops.attention(plan, self._arena, step, shape=shape, q=self.q, cache=cache, o=o_row,
-                                        positions=1, partials=session.partials, label=f"attention {layer}.{b}")
-                pieces.append(plan.dispatches)
-        self._rows[(session, b)] = pieces
-        return pieces
+            return
+        qkv_width = g.q_dim + g.k_dim + g.v_dim
+        at = b * qkv_width
+        shape, cache, vectors = session.shapes[layer], session.caches[layer], self._vectors[layer]
+        attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q, cache=cache,
+                              positions=1, vectors=m.vector_buffer if vectors else None, qkv_stride=qkv_width,
+                              q_offset=at, k_offset=at + g.q_dim, v_offset=at + g.q_dim + g.k_dim,
+                              label=f"qk_rope {layer}.{b}", **vectors)
+        o_row = Binding(self.o, F32 * b * self.o_stride, F32 * g.attn_out)
+        attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=cache, o=o_row, positions=1,
+                                partials=session.partials, label=f"attention {layer}.{b}")
 
-    def _sampler(self, row, b: int) -> list:
-        key = (row.session, b, row.sampling, row.masked)
-        held = self._samplers.get(key)
-        if held is None:
-            session, g = row.session, self.model.geometry
-            plan = Plan(self.device, f"batch sampler {b}")
-            with recording(self._owned):
-                sample_ops.sample(plan, self._arena, Binding(session.step_uniform), logits=self.logits,
-                                  logits_offset=b * g.head_rows, rows=g.head_rows, tokens=session.tokens,
-                                  result=session.result, context=session.context, positions=1, sampling=row.sampling,
-                                  mask=session.mask if row.masked else None)
-            held = self._samplers[key] = plan.dispatches
-        return held
+    def _sample(self, plan: Plan, arena: UniformArena, row, b: int) -> None:
+        session, g = row.session, self.model.geometry
+        sample_ops.sample(plan, arena, Binding(session.step_uniform), logits=self.logits,
+                          logits_offset=b * g.head_rows, rows=g.head_rows, tokens=session.tokens,
+                          result=session.result, context=session.context, positions=1, sampling=row.sampling,
+                          mask=session.mask if row.masked else None)
