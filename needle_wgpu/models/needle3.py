@@ -21,6 +21,7 @@ from ..kernels.needle3 import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.needle3.fp16_store import Fp16Store, permutation_words
 from ..chat.needle3 import Needle3Chat
+from .needle3_batch import Needle3Batch
 from .needle3_layers import build_blocks, build_engram, build_head
 from .needle3_support import _pad, check_supported, widest_row_bytes
 from .ladder import Rung, full_rung, rung
@@ -206,6 +207,11 @@ class Needle3Gpu:
             raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
         return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads,
                               pad_masked=pad_masked)
+
+    def batch(self, capacity: int) -> "Needle3Batch":
+        """Scratch and plans for decode steps of up to ``capacity`` of this model's plain sessions
+        at once (``models.batch.DecodeBatch``)."""
+        return Needle3Batch(self, capacity)
 
 
 @checked_methods

@@ -13,8 +13,8 @@ once each job waits (or after ``HOST_WAIT_S``), and runs:
 2. one prefill chunk per job that is prefilling (a new request joins between decode steps);
 3. one batched decode step of every job that asked for its next id: ``models.batch``, the
    matmuls once over the batch, each row's attention and sampler on its own session, so every
-   id is the one the request gets alone. A family without ``batch`` (Needle 3 today) steps its
-   sessions one after the other.
+   id is the one the request gets alone. A model without a batched step (a fake, a geometry
+   whose rows do not align) steps its sessions one after the other.
 
 The KV memory is a pool of at most ``capacity`` sessions (``SequencePool``): a finished or
 cancelled request's session is rewound and reused by the next, and the scheduler admits no
@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 
-from ..errors import ContextFullError, DeviceLostError, NeedleError
+from ..errors import ContextFullError, DeviceLostError, NeedleError, UnsupportedModelError
 from ..models.batch import StepRequest
 from .errors import error_of
 
@@ -209,7 +209,11 @@ class BatchingStepper:
         self.view.gpu = PooledGpu(model.gpu, self)
         self.pool = SequencePool(model.gpu, self.capacity, self.reclaim)
         make = getattr(model.gpu, "batch", None)
-        self.batch = make(self.capacity) if make is not None else None
+        try:
+            self.batch = make(self.capacity) if make is not None else None
+        except UnsupportedModelError as exc:  # a geometry the batched step does not take: one by one
+            log.warning("model %s: %s", model.gpu.name, exc)
+            self.batch = None
 
     def admit(self, job, model) -> None:
         self.worker = threading.current_thread()

@@ -108,3 +108,20 @@ def test_batch_refusals(synthetic_llama):
         batch.close()
         for session in sessions:
             session.close()
+
+
+NEEDLE3_REQUESTS = [
+    ([1, 5, 9, 13], Sampling(), STEPS, 0),
+    ([2, 7, 7, 7, 7, 7, 30, 31, 32], Sampling.saturate(temperature=0.8, seed=5), 4, 0),
+    ([3, 4], Sampling.saturate(temperature=1.0, top_k=5, top_p=0.9, seed=9), STEPS, 2),
+    ([40, 41, 42, 43, 44, 45], Sampling.saturate(repetition_penalty=1.3, logit_bias={68: 3.0}), STEPS, 5),
+]
+
+
+@pytest.mark.parametrize("capacity", [2, 3])
+def test_needle3_batched_ids_are_the_ids_alone(needle3_tiny, capacity):
+    gpu = needle3_tiny.gpu
+    expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in NEEDLE3_REQUESTS]
+    got, built = batched(gpu, NEEDLE3_REQUESTS, capacity)
+    assert got == expected
+    assert built >= 2
