@@ -24,7 +24,7 @@ from ..grammar import GrammarError, compile_schema
 from ..sampling import clamp_count
 from .bench import run_benchmark, run_constrained_benchmark, speculative_pairs
 from .chat import run_chat
-from .serve import add_serve_parser
+from .serve import add_serve_parser, run_streams_benchmark
 from .options import Progress, add_sampling_options, join_option_values, sampling_keywords, writes_utf8
 
 DEFAULT_QUERY = "What's the weather in Paris?"
@@ -189,8 +189,6 @@ def cmd_bench(args) -> int:
         raise NeedleError("bench --streams measures concurrent streams alone: run the other options separately")
     _check_writable(args.json)  # before minutes of benchmarking, not after
     if args.streams is not None:
-        from .bench_streams import run_streams_benchmark  # needs the server's extra
-
         run_streams_benchmark(args)
         return 0
     (run_constrained_benchmark if args.constrained else run_benchmark)(args)

@@ -40,6 +40,13 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(run=cmd_serve)
 
 
+def run_streams_benchmark(args) -> dict:
+    """``bench --streams``: concurrent streams through the server's scheduler (needs its extra)."""
+    from ..server.bench_streams import run_streams_benchmark as run
+
+    return run(args)
+
+
 def cmd_serve(args) -> int:
     try:
         from ..server import Limits, ModelSpec, ServerConfig

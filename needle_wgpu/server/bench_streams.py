@@ -16,9 +16,10 @@ import threading
 import time
 
 from .. import load
+from ..cli.options import Progress
 from ..default_model import default_model
 from ..sampling import clamp_count
-from .options import Progress
+from .scheduler import Job, Scheduler
 
 WAIT_S = 3600  # a run that takes longer than this is reported as unfinished
 
@@ -36,8 +37,6 @@ def _stream_body(prompt: list, tokens: int, context: int):
 def run_streams(model, counts: list, prompt_tokens: int, decode_tokens: int, seed: int = 0) -> list:
     """One run per stream count; each stream's session holds ``prompt_tokens + decode_tokens + 2``
     positions (as ``bench`` sizes its one session)."""
-    from ..server.scheduler import Job, Scheduler  # the server's extra is needed only here
-
     g, device = model.geometry, model.gpu.device
     rng = random.Random(seed)
     rows = []
@@ -64,10 +63,11 @@ def run_streams(model, counts: list, prompt_tokens: int, decode_tokens: int, see
 
         prompts = [[2] + [rng.randrange(4, g.vocab) for _ in range(prompt_tokens - 1)] for _ in range(count)]
         context = prompt_tokens + decode_tokens + 2
-        warm = Job("bench", _stream_body(prompts[0][:8], 2, context), lambda event: done.release() if event[0] != "data" else None,
-                   time_limit_s=WAIT_S)
-        scheduler.submit(warm)  # compiles the pipelines and builds the one-row plans
-        done.acquire(timeout=WAIT_S)
+        for i in range(count):  # compiles the pipelines, builds the pieces of batches up to this size
+            scheduler.submit(Job("bench", _stream_body(prompts[i][:8], 3, context),
+                                 lambda event: done.release() if event[0] != "data" else None, time_limit_s=WAIT_S))
+        for _ in range(count):
+            done.acquire(timeout=WAIT_S)
         before = (device.counters.dispatches, device.counters.submits)
         stepper = scheduler.stepper
         steps0, rows0 = stepper.steps, stepper.rows
