@@ -125,3 +125,12 @@ def test_needle3_batched_ids_are_the_ids_alone(needle3_tiny, capacity):
     got, built = batched(gpu, NEEDLE3_REQUESTS, capacity)
     assert got == expected
     assert built >= 2
+
+
+def test_smollm2_batched_ids_are_the_ids_alone(smollm2):
+    """The real default model: greedy and seeded requests, joining at different steps."""
+    gpu = smollm2.gpu
+    requests = [(ids, sampling, 4, join) for ids, sampling, _, join in REQUESTS[:3]]
+    expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in requests]
+    got, _ = batched(gpu, requests, 3)
+    assert got == expected
