@@ -2,11 +2,10 @@
 model's GPU (the model is loaded on that thread, and every wgpu call of it is made there).
 
 The HTTP layer only ever calls ``Scheduler.submit(job)`` and ``Job.cancel``, and reads the
-job's events (``Job.events``: ``("data", payload)`` ... then ``("end", None)`` or ``("error",
-ApiError)``). How the worker advances its jobs is the stepper's business:
+job's events (handed to ``Job.deliver``: ``("data", payload)`` ... then ``("end", None)`` or
+``("error", ApiError)``). How the worker advances its jobs is the stepper's business:
 ``batching.BatchingStepper`` advances every admitted sequence by one token per step, in one
-batched decode step (its ``capacity``: the KV pool's sequences, ``Limits.max_sequences``);
-``SequentialStepper`` runs one job at a time, one event per step.
+batched decode step (its ``capacity``: the KV pool's sequences, ``Limits.max_sequences``).
 
 A job ends early, at its next step (or the engine's next ``should_stop`` question, asked before
 each prefill chunk and each decode step), when its client disconnects, when its time limit
@@ -46,7 +45,6 @@ class Job:
     started: float | None = None
     stop_reason: str | None = None
     usage: dict = field(default_factory=dict)  # what the body reports for the metrics
-    events: object = None  # the running body (a generator), while admitted
     prefix_cache: object = None  # the model's ``PrefixCache``, handed to the body when admitted
     finished: bool = False
 
@@ -67,52 +65,6 @@ class Job:
 
     def stopped_error(self) -> ApiError:
         return {TIMEOUT: timed_out(self.time_limit_s), SHUTDOWN: shutting_down()}.get(self.stop_reason, cancelled())
-
-
-class SequentialStepper:
-    """The one-sequence step: at most ``capacity`` (1) job admitted; ``step`` advances it by
-    one event of its body (a token's chunk while streaming, the whole response otherwise)."""
-
-    capacity = 1
-
-    def __init__(self, finish: Callable, capacity: int = 1, reclaim=None):
-        self.active: list = []
-        self.device_lost = False  # a step lost the device: the scheduler loads the model again
-        self.finish = finish  # finish(job, error or None): the scheduler's bookkeeping
-
-    def has_room(self) -> bool:
-        return len(self.active) < self.capacity
-
-    def admit(self, job: Job, model) -> None:
-        job.started = time.monotonic()
-        job.events = job.body(model, job)
-        self.active.append(job)
-
-    def step(self) -> None:
-        for job in list(self.active):
-            try:
-                payload = next(job.events)
-            except StopIteration:
-                self.leave(job, job.stopped_error() if job.stop_reason else None)
-                continue
-            except BaseException as exc:  # noqa: BLE001  the request fails, the worker goes on
-                self.device_lost = self.device_lost or isinstance(exc, DeviceLostError)
-                self.leave(job, job.stopped_error() if job.stop_reason else error_of(exc))
-                continue
-            if job.stop_reason:  # the engine stopped because it was asked to: no result
-                self.leave(job, job.stopped_error())
-            else:
-                job.deliver(("data", payload))
-
-    def leave(self, job: Job, error: ApiError | None) -> None:
-        """The job ends (finished, failed or stopped); its session is closed with its body."""
-        if job in self.active:
-            self.active.remove(job)
-        try:
-            job.events.close()
-        except BaseException as exc:  # noqa: BLE001
-            log.error("closing a request failed", exc_info=exc)
-        self.finish(job, error)
 
 
 class Scheduler:
