@@ -58,9 +58,10 @@ class StepRequest:
 
 
 class DecodeBatch:
-    """Scratch rows for up to ``capacity`` sequences and the cached batched plans. Subclasses set
-    ``device``, ``capacity``, ``logit_rows``, ``logits`` (f32 [capacity][logit_rows]) and
-    implement ``_build``."""
+    """Scratch rows for up to ``capacity`` sequences and the cached batched plans. A family's
+    subclass sets ``device``, ``capacity``, ``logit_rows`` and ``logits`` (f32
+    [capacity][logit_rows]), calls ``_start`` and builds the pieces (``_shared``, ``_row``,
+    ``_sample``; ``_layers``: how many layers have per-row work)."""
 
     device: Device
     capacity: int
