@@ -1,5 +1,5 @@
 """Decode steps of several sessions of one model in one plan and one submit (continuous
-batching, issue 19 item 2).
+batching).
 
 The weight matmuls run once over the batch's rows; what belongs to one sequence runs per row,
 from that session's own state: its token and position (the embedding gather reads its

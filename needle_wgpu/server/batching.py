@@ -1,4 +1,4 @@
-"""Continuous batching for the server (issue 19 item 2): the ``scheduler.Scheduler``'s stepper
+"""Continuous batching for the server: the ``scheduler.Scheduler``'s stepper
 that advances every admitted request of a model in one batched decode step.
 
 Each admitted job's body (the one generation loop, ``generation.decode``, through
