@@ -10,7 +10,9 @@ device) and waits for its answer. Each ``step`` of the worker collects what ever
 once each job waits (or after ``HOST_WAIT_S``), and runs:
 
 1. session calls (open, close, rewind-free work such as a verify) in arrival order;
-2. one prefill chunk per job that is prefilling (a new request joins between decode steps);
+2. prefill chunks of the jobs reading their prompts, oldest first, up to ``PREFILL_BUDGET``
+   positions a step (at least one chunk) while other jobs decode, every waiting chunk when none
+   does: a new request joins between decode steps without stalling the others for long;
 3. one batched decode step of every job that asked for its next id: ``models.batch``, the
    matmuls once over the batch, each row's attention and sampler on its own session, so every
    id is the one the request gets alone. A model without a batched step (a fake, a geometry
@@ -37,6 +39,7 @@ from .errors import error_of
 log = logging.getLogger("needle_wgpu.server")
 
 HOST_WAIT_S = 0.05  # how long a step waits for jobs still busy on the host before it runs without them
+PREFILL_BUDGET = 64  # prompt positions read per step while other sequences decode (at least one chunk)
 
 
 class StoppedError(NeedleError):
@@ -257,6 +260,16 @@ class BatchingStepper:
                 chunks.append(call)
             else:
                 self._run_call(call)
+        if steps:  # decoding sequences wait for the prompts read meanwhile: a budget of positions
+            budget, taken = PREFILL_BUDGET, 0
+            while taken < len(chunks) and (taken == 0 or budget >= len(chunks[taken].args[0])):
+                budget -= len(chunks[taken].args[0])
+                taken += 1
+            chunks, later = chunks[:taken], chunks[taken:]
+            if later:
+                with self.cond:  # the next step takes them first; their jobs still wait
+                    self.calls[:0] = later
+                    self.waiting.update(call.job for call in later)
         for call in chunks:
             self._guarded(call, lambda c=call: c.session.prefill(c.args[0], c.args[1], **c.args[2]))
         if steps:
@@ -273,12 +286,16 @@ class BatchingStepper:
             else:
                 self._guarded(call, lambda: self.pool.take(context, kv))
         elif call.kind == "close":
-            if self.batch is not None:
-                self.batch.forget(call.session)
-            if call.session in self.pool.in_use:
-                self.pool.give(call.session)
-            else:
-                call.session.close()
+            try:
+                if self.batch is not None:
+                    self.batch.forget(call.session)
+                if call.session in self.pool.in_use:
+                    self.pool.give(call.session)
+                else:
+                    call.session.close()
+            except BaseException as exc:  # noqa: BLE001  a lost device: the session is gone with it
+                self.pool.in_use.discard(call.session)
+                log.error("closing a session failed", exc_info=exc)
             call.answer()
         else:
             name, args, options = call.args
