@@ -319,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--streams", default=None, metavar="N,N,...",
                        help="concurrent streams through the server's batching scheduler (e.g. 1,4,8,16): aggregate "
                             "and per-stream decode tok/s and time to first token per count")
+    bench.add_argument("--repeat", type=float, default=1,
+                       help="with --streams: run the series this many times and report the best of each count too")
     bench.set_defaults(run=cmd_bench)
 
     heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")
