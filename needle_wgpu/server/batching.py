@@ -4,7 +4,7 @@ that advances every admitted request of a model in one batched decode step.
 Each admitted job's body (the one generation loop, ``generation.decode``, through
 ``openai.chat_completion`` or ``Model.stream``: stop strings, budgets, masks, logprobs and finish
 reasons as for any caller) runs on a thread of its own against a view of the model whose
-sessions are ``PooledSession``s. A pooled session does no GPU work itself: each prefill chunk,
+sessions are ``pool.PooledSession``s. A pooled session does no GPU work itself: each prefill chunk,
 decode step and other call is handed to the worker thread (the only one that touches the
 device) and waits for its answer. Each ``step`` of the worker collects what every job asks,
 once each job waits (or after ``HOST_WAIT_S``), and runs:
@@ -18,7 +18,7 @@ once each job waits (or after ``HOST_WAIT_S``), and runs:
    id is the one the request gets alone. A model without a batched step (a fake, a geometry
    whose rows do not align) steps its sessions one after the other.
 
-The KV memory is a pool of at most ``capacity`` sessions (``SequencePool``): a finished or
+The KV memory is a pool of at most ``capacity`` sessions (``pool.SequencePool``): a finished or
 cancelled request's session is rewound and reused by the next, and the scheduler admits no
 more jobs than the pool holds (the rest wait in its bounded queue; past that, a 429 with
 Retry-After). A job that is cancelled, disconnects or runs out of time gets a ``StoppedError``
@@ -33,8 +33,8 @@ import threading
 import time
 
 from ..errors import ContextFullError, DeviceLostError, NeedleError, UnsupportedModelError
-from ..models.batch import StepRequest
 from .errors import error_of
+from .pool import PooledGpu, SequencePool
 
 log = logging.getLogger("needle_wgpu.server")
 
@@ -59,123 +59,6 @@ class _Call:
     def answer(self, result=None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
         self.done.set()
-
-
-class SequencePool:
-    """The model's KV memory: at most ``capacity`` sessions, kept open and reused. Only the
-    worker thread calls it."""
-
-    def __init__(self, gpu, capacity: int, reclaim=None):
-        self.gpu, self.capacity, self.reclaim = gpu, capacity, reclaim
-        self.free: list = []  # (key, session), least recently freed first
-        self.in_use: set = set()
-
-    @property
-    def size(self) -> int:
-        return len(self.free) + len(self.in_use)
-
-    def take(self, context, kv):
-        key = (context, kv)
-        session = self._reuse(key)
-        if session is None and self.size >= self.capacity and self.reclaim is not None:
-            self.reclaim()  # a prefix-cache entry holds one: the oldest gives it back
-            session = self._reuse(key)
-        if session is None:
-            if self.size >= self.capacity and self.free:
-                self.free.pop(0)[1].close()  # another context or kv mode: its memory goes to this one
-            session = self.gpu.session(context=context, kv=kv) if kv is not None else self.gpu.session(context=context)
-            session.pool_key = key
-        self.in_use.add(session)
-        return session
-
-    def _reuse(self, key):
-        for i, (held, session) in enumerate(self.free):
-            if held == key:
-                del self.free[i]
-                if session.rewindable:
-                    session.rewind(0)
-                    return session
-                session.close()  # a sliding-window cache cannot rewind that far: a fresh one instead
-                return None
-        return None
-
-    def give(self, session) -> None:
-        self.in_use.discard(session)
-        if self.size < self.capacity and not getattr(session, "_closed", getattr(session, "closed", False)):
-            self.free.append((session.pool_key, session))
-        else:
-            session.close()
-
-    def close(self) -> None:
-        for _, session in self.free:
-            session.close()
-        self.free = []
-
-
-class PooledGpu:
-    """The model's GPU side as a job thread sees it: what it does not override is the model's
-    own (geometry, tokenizer, chat rules, describe); ``session`` returns a ``PooledSession``."""
-
-    def __init__(self, gpu, stepper: "BatchingStepper"):
-        self._gpu, self._stepper = gpu, stepper
-
-    def __getattr__(self, name):
-        return getattr(self._gpu, name)
-
-    def session(self, context=None, kv=None, **extra):
-        return PooledSession(self._stepper, self._stepper.call(None, "open", context, kv, extra))
-
-
-class PooledSession:
-    """A session whose GPU work runs on the worker: prefill chunk by chunk, ``step`` in the
-    batched step; attributes (position, context, rewindable ...) are the session's own."""
-
-    def __init__(self, stepper: "BatchingStepper", session):
-        self._stepper, self._session = stepper, session
-
-    def __getattr__(self, name):
-        attribute = getattr(self._session, name)
-        if callable(attribute):  # any other method (verify, draft, all_logits ...) on the worker
-            return lambda *args, **options: self._stepper.call(self._session, "method", name, args, options)
-        return attribute
-
-    def prefill(self, ids, sampling=None, mask=None, should_stop=None, top_logprobs=None):
-        """``ChunkedSession.prefill``, one chunk per worker step (the same chunks as alone)."""
-        session = self._session
-        ids = list(ids)
-        extra = {} if top_logprobs is None else {"top_logprobs": top_logprobs}
-        if sampling is not None and mask is not None:
-            extra["mask"] = mask
-        if not ids or not hasattr(session, "chunk"):  # nothing to run, or a session that chunks alone
-            if should_stop is not None:
-                extra["should_stop"] = should_stop
-            return self._stepper.call(session, "chunk", ids, sampling, extra)
-        start = 0
-        while True:
-            if should_stop is not None and should_stop(start, len(ids)):
-                return None
-            length = min(session.chunk, session.device.prefill_chunk or session.chunk)
-            part = ids[start : start + length]
-            start += len(part)
-            if start < len(ids):
-                self._stepper.call(session, "chunk", part, None, {})
-                continue
-            return self._stepper.call(session, "chunk", part, sampling, extra)
-
-    def step(self, sampling, mask=None, top_logprobs=None):
-        return self._stepper.call(self._session, "step", StepRequest(self._session, sampling, mask, top_logprobs))
-
-    def decode_round(self, count, sampling):
-        """A round of one step (a batched step is the round): ``generation.Steps`` asks again."""
-        if count <= 0 or self._session.position >= self._session.context:
-            return []
-        return [self.step(sampling)]
-
-    def rewind(self, position) -> None:
-        self._session.rewind(position)  # host state only; the job's thread owns it between calls
-
-    def close(self) -> None:
-        self._stepper.post(self._session, "close")
 
 
 class BatchingStepper:
