@@ -82,8 +82,8 @@ QTYPES = {t.name: t for t in (
 QTYPE_BY_ID = {t.ggml: t for t in QTYPES.values()}
 
 CPU_TILE = 8        # positions per invocation of the CPU-shape GEMM (§8: 4-8)
-SPLIT_TILES = (4, 8)  # CPU shape, gemm=False over several positions: positions per invocation (the
-#                       fewest that cover them: 8 decode one weight for twice the rows of 4 at 1.4x the time)
+SPLIT8_TILE = 4     # CPU shape, gemm=False over 2-4 positions: entry split8 (8 rows x 4 positions an
+#                     invocation); more positions: main's SPLIT in tiles of CPU_TILE (4 rows x 8)
 CPU_ROWS = 256      # CPU shape: 64 invocations x 4 rows (q_matmul_rows.wgsl says why 4)
 GATHER_QUADS = 64   # get_rows: quads per workgroup
 GEMV_ROWS = 4       # GPU shape GEMV: rows per 256-thread workgroup
@@ -228,7 +228,7 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     ``gemm`` (default: positions > 1) picks the chunked GEMM over the per-position GEMV (with
     ``gemm`` False every position is summed exactly as a one-position GEMV sums it: a batch of
     decode steps, one position per sequence; the CPU shape still decodes each weight once per
-    4 or 8 positions, ``SPLIT_TILES``);
+    4 or 8 positions, ``SPLIT8_TILE``);
     ``shape`` ("cpu" or "gpu", default from the adapter) the kernel shape of §8. ``accumulate``
     adds to y instead of storing (a residual add). x and y are f32; x offsets and strides must
     be multiples of 4 (vec4 loads).
@@ -241,9 +241,13 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     consts = _block_consts(pack) + (("ACCUMULATE", accumulate),)
     if shape == "cpu":
         split = not gemm and positions > 1
-        tile = CPU_TILE if gemm else next((t for t in SPLIT_TILES if positions <= t), SPLIT_TILES[-1]) if split else 1
-        key = KernelKey("q_matmul_rows", consts=consts + (("TT", tile), ("SPLIT", split)))
-        rows_per_group, position_groups = CPU_ROWS, (positions + tile - 1) // tile
+        if split and positions <= SPLIT8_TILE:  # 8 rows an invocation share each activation quad
+            tile, entry, rows_per_group = SPLIT8_TILE, "split8", 8 * 64
+        else:
+            tile = CPU_TILE if gemm or split else 1
+            entry, rows_per_group = "main", CPU_ROWS
+        key = KernelKey("q_matmul_rows", entry=entry, consts=consts + (("TT", tile), ("SPLIT", split)))
+        position_groups = (positions + tile - 1) // tile
     elif shape == "gpu":
         entry = "gemm" if gemm else "gemv"
         key = KernelKey("q_matmul", entry=entry, consts=consts)
