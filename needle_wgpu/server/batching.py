@@ -79,9 +79,6 @@ class BatchingStepper:
         self.steps = self.rows = 0  # batched steps run, rows advanced (rows / steps: the mean batch)
 
     # ------------------------------------------------------------------ the worker thread
-    def has_room(self) -> bool:
-        return len(self.active) < self.capacity
-
     def sequences_in_use(self) -> int:
         return self.pool.size if self.pool is not None else 0
 
