@@ -239,9 +239,14 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
     if (k0 >= slots) {
       break;
     }
-    let keys = min(BLOCK, slots - k0);
+    var keys = min(BLOCK, slots - k0);
     if (!meets(seen, k0, keys)) {
       continue;
+    }
+    // Slots past the last one the tile sees would only be masked (weight 0, sums unchanged): a
+    // short sequence in a long cache reads only its own keys, whatever stale ones follow.
+    if (seen.x + seen.y <= slots) {
+      keys = min(keys, seen.x + seen.y - k0);
     }
     // 1. Scores of every row for the keys i = lid + 64 m of the block (slot k0 + i).
     var tops: array<f32, ROWS>;

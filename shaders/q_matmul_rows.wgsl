@@ -13,7 +13,13 @@
 // bounds and branches are constants (lavapipe recompiles shaders whose control flow depends on
 // uniforms).
 //
-// Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), TT, ACCUMULATE.
+// SPLIT (with TT = 4: a batch of decode steps, one position per sequence): each position is
+// summed exactly as the TT = 1 GEMV sums its one position (four partial sums per row, the same
+// products added in the same order, added up the same way at the end), so a sequence's row has
+// the same bits in a batch as alone, while the weights are still decoded once for the four.
+//
+// Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), TT, SPLIT,
+// ACCUMULATE.
 // Bindings: 0 params, 1 one part of the pack (word plane, then side plane), 2 x f32, 3 y f32.
 // Workgroups: (ceil(rows / 256) folded as x + z * num_workgroups.x, ceil(positions / TT)).
 
@@ -63,6 +69,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   var b1 = vec4<f32>(0.0);
   var b2 = vec4<f32>(0.0);
   var b3 = vec4<f32>(0.0);
+  // SPLIT: sp[8 r + j] holds row r's four partial sums of position j (constant indices only).
+  var sp: array<vec4<f32>, 32>;
   for (var b = 0u; b < ROW_BLOCKS; b++) {
     let block0 = row0 * ROW_BLOCKS + b;
     let block1 = row1 * ROW_BLOCKS + b;
@@ -70,23 +78,65 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     let block3 = row3 * ROW_BLOCKS + b;
     for (var s = 0u; s < BLOCK_QUADS / SUB_QUADS; s++) {
       // Scales decoded once per sub-block.
-      let c0 = sub_scale(block0, s);
-      let c1 = sub_scale(block1, s);
-      let c2 = sub_scale(block2, s);
-      let c3 = sub_scale(block3, s);
+      let k0 = sub_scale(block0, s);
+      let k1 = sub_scale(block1, s);
+      let k2 = sub_scale(block2, s);
+      let k3 = sub_scale(block3, s);
       let xs = x_base + b * BLOCK_QUADS + s * SUB_QUADS;
       for (var jj = 0u; jj < SUB_QUADS; jj++) {
         let xi = xs + jj;
         let x0 = x[xi];
-        let w0 = c0.x * sub_quad(block0, s, jj) + c0.y;
-        let w1 = c1.x * sub_quad(block1, s, jj) + c1.y;
-        let w2 = c2.x * sub_quad(block2, s, jj) + c2.y;
-        let w3 = c3.x * sub_quad(block3, s, jj) + c3.y;
+        let w0 = k0.x * sub_quad(block0, s, jj) + k0.y;
+        let w1 = k1.x * sub_quad(block1, s, jj) + k1.y;
+        let w2 = k2.x * sub_quad(block2, s, jj) + k2.y;
+        let w3 = k3.x * sub_quad(block3, s, jj) + k3.y;
         if (TT == 1u) {
           a0 += w0 * x0;
           a1 += w1 * x0;
           a2 += w2 * x0;
           a3 += w3 * x0;
+        } else if (SPLIT) {
+          sp[0u] += w0 * x0;
+          sp[8u] += w1 * x0;
+          sp[16u] += w2 * x0;
+          sp[24u] += w3 * x0;
+          let x1 = x[xi + at.p1];
+          sp[1u] += w0 * x1;
+          sp[9u] += w1 * x1;
+          sp[17u] += w2 * x1;
+          sp[25u] += w3 * x1;
+          let x2 = x[xi + at.p2];
+          sp[2u] += w0 * x2;
+          sp[10u] += w1 * x2;
+          sp[18u] += w2 * x2;
+          sp[26u] += w3 * x2;
+          let x3 = x[xi + at.p3];
+          sp[3u] += w0 * x3;
+          sp[11u] += w1 * x3;
+          sp[19u] += w2 * x3;
+          sp[27u] += w3 * x3;
+          if (TT == 8u) {
+            let x4 = x[xi + at.p4];
+            sp[4u] += w0 * x4;
+            sp[12u] += w1 * x4;
+            sp[20u] += w2 * x4;
+            sp[28u] += w3 * x4;
+            let x5 = x[xi + at.p5];
+            sp[5u] += w0 * x5;
+            sp[13u] += w1 * x5;
+            sp[21u] += w2 * x5;
+            sp[29u] += w3 * x5;
+            let x6 = x[xi + at.p6];
+            sp[6u] += w0 * x6;
+            sp[14u] += w1 * x6;
+            sp[22u] += w2 * x6;
+            sp[30u] += w3 * x6;
+            let x7 = x[xi + at.p7];
+            sp[7u] += w0 * x7;
+            sp[15u] += w1 * x7;
+            sp[23u] += w2 * x7;
+            sp[31u] += w3 * x7;
+          }
         } else {
           let x1 = x[xi + at.p1];
           let x2 = x[xi + at.p2];
@@ -110,6 +160,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     }
   }
 
+  if (SPLIT) {
+    for (var r = 0u; r < ROWS; r++) {
+      if (local_row + r < params.rows) {
+        let out = params.y_offset + t0 * params.y_stride + local_row + r;
+        for (var j = 0u; j < TT; j++) {
+          if (j < tile) {
+            let p = sp[8u * r + j];
+            store(out + j * params.y_stride, (p.x + p.y) + (p.z + p.w));
+          }
+        }
+      }
+    }
+    return;
+  }
   store_rows(local_row, t0, tile, a0, b0);
   if (local_row + 1u < params.rows) { store_rows(local_row + 1u, t0, tile, a1, b1); }
   if (local_row + 2u < params.rows) { store_rows(local_row + 2u, t0, tile, a2, b2); }
@@ -132,4 +196,154 @@ fn store_rows(local_row: u32, t0: u32, tile: u32, a: vec4<f32>, b: vec4<f32>) {
   if (tile > 5u) { store(out + 5u * params.y_stride, b.y); }
   if (tile > 6u) { store(out + 6u * params.y_stride, b.z); }
   if (tile > 7u) { store(out + 7u * params.y_stride, b.w); }
+}
+
+// Entry ``split8``: SPLIT for 8 rows per invocation and 4 positions (TT = 4): each activation quad
+// is read once for 8 rows, each weight decoded once for the 4 positions; every position summed
+// as the one-position GEMV sums it.
+@compute @workgroup_size(64)
+fn split8(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+  let local_row = ((wg.x + wg.z * groups.x) * 64u + lid) * 8u;
+  if (local_row >= params.rows) {
+    return;
+  }
+  let last = params.rows - 1u;
+  let row0 = params.row0 + min(local_row + 0u, last);
+  let row1 = params.row0 + min(local_row + 1u, last);
+  let row2 = params.row0 + min(local_row + 2u, last);
+  let row3 = params.row0 + min(local_row + 3u, last);
+  let row4 = params.row0 + min(local_row + 4u, last);
+  let row5 = params.row0 + min(local_row + 5u, last);
+  let row6 = params.row0 + min(local_row + 6u, last);
+  let row7 = params.row0 + min(local_row + 7u, last);
+  let t0 = wg.y * 4u;
+  let tile = min(4u, params.positions - t0);
+  let at = tile_offsets(params.x_stride >> 2u, tile);
+  let x_base = (params.x_offset + t0 * params.x_stride) >> 2u;
+  var sp: array<vec4<f32>, 32>;  // sp[4 r + j]: row r, position j (constant indices only)
+  for (var b = 0u; b < ROW_BLOCKS; b++) {
+    let block0 = row0 * ROW_BLOCKS + b;
+    let block1 = row1 * ROW_BLOCKS + b;
+    let block2 = row2 * ROW_BLOCKS + b;
+    let block3 = row3 * ROW_BLOCKS + b;
+    let block4 = row4 * ROW_BLOCKS + b;
+    let block5 = row5 * ROW_BLOCKS + b;
+    let block6 = row6 * ROW_BLOCKS + b;
+    let block7 = row7 * ROW_BLOCKS + b;
+    for (var s = 0u; s < BLOCK_QUADS / SUB_QUADS; s++) {
+      let k0 = sub_scale(block0, s);
+      let k1 = sub_scale(block1, s);
+      let k2 = sub_scale(block2, s);
+      let k3 = sub_scale(block3, s);
+      let k4 = sub_scale(block4, s);
+      let k5 = sub_scale(block5, s);
+      let k6 = sub_scale(block6, s);
+      let k7 = sub_scale(block7, s);
+      let xs = x_base + b * BLOCK_QUADS + s * SUB_QUADS;
+      for (var jj = 0u; jj < SUB_QUADS; jj++) {
+        let xi = xs + jj;
+        let x0 = x[xi];
+        let x1 = x[xi + at.p1];
+        let x2 = x[xi + at.p2];
+        let x3 = x[xi + at.p3];
+        let w0 = k0.x * sub_quad(block0, s, jj) + k0.y;
+        sp[0u] += w0 * x0;
+        sp[1u] += w0 * x1;
+        sp[2u] += w0 * x2;
+        sp[3u] += w0 * x3;
+        let w1 = k1.x * sub_quad(block1, s, jj) + k1.y;
+        sp[4u] += w1 * x0;
+        sp[5u] += w1 * x1;
+        sp[6u] += w1 * x2;
+        sp[7u] += w1 * x3;
+        let w2 = k2.x * sub_quad(block2, s, jj) + k2.y;
+        sp[8u] += w2 * x0;
+        sp[9u] += w2 * x1;
+        sp[10u] += w2 * x2;
+        sp[11u] += w2 * x3;
+        let w3 = k3.x * sub_quad(block3, s, jj) + k3.y;
+        sp[12u] += w3 * x0;
+        sp[13u] += w3 * x1;
+        sp[14u] += w3 * x2;
+        sp[15u] += w3 * x3;
+        let w4 = k4.x * sub_quad(block4, s, jj) + k4.y;
+        sp[16u] += w4 * x0;
+        sp[17u] += w4 * x1;
+        sp[18u] += w4 * x2;
+        sp[19u] += w4 * x3;
+        let w5 = k5.x * sub_quad(block5, s, jj) + k5.y;
+        sp[20u] += w5 * x0;
+        sp[21u] += w5 * x1;
+        sp[22u] += w5 * x2;
+        sp[23u] += w5 * x3;
+        let w6 = k6.x * sub_quad(block6, s, jj) + k6.y;
+        sp[24u] += w6 * x0;
+        sp[25u] += w6 * x1;
+        sp[26u] += w6 * x2;
+        sp[27u] += w6 * x3;
+        let w7 = k7.x * sub_quad(block7, s, jj) + k7.y;
+        sp[28u] += w7 * x0;
+        sp[29u] += w7 * x1;
+        sp[30u] += w7 * x2;
+        sp[31u] += w7 * x3;
+      }
+    }
+  }
+  if (local_row + 0u < params.rows) {
+    let out0 = params.y_offset + t0 * params.y_stride + local_row + 0u;
+    { let p = sp[0u]; store(out0 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[1u]; store(out0 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[2u]; store(out0 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[3u]; store(out0 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 1u < params.rows) {
+    let out1 = params.y_offset + t0 * params.y_stride + local_row + 1u;
+    { let p = sp[4u]; store(out1 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[5u]; store(out1 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[6u]; store(out1 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[7u]; store(out1 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 2u < params.rows) {
+    let out2 = params.y_offset + t0 * params.y_stride + local_row + 2u;
+    { let p = sp[8u]; store(out2 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[9u]; store(out2 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[10u]; store(out2 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[11u]; store(out2 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 3u < params.rows) {
+    let out3 = params.y_offset + t0 * params.y_stride + local_row + 3u;
+    { let p = sp[12u]; store(out3 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[13u]; store(out3 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[14u]; store(out3 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[15u]; store(out3 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 4u < params.rows) {
+    let out4 = params.y_offset + t0 * params.y_stride + local_row + 4u;
+    { let p = sp[16u]; store(out4 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[17u]; store(out4 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[18u]; store(out4 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[19u]; store(out4 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 5u < params.rows) {
+    let out5 = params.y_offset + t0 * params.y_stride + local_row + 5u;
+    { let p = sp[20u]; store(out5 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[21u]; store(out5 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[22u]; store(out5 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[23u]; store(out5 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 6u < params.rows) {
+    let out6 = params.y_offset + t0 * params.y_stride + local_row + 6u;
+    { let p = sp[24u]; store(out6 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[25u]; store(out6 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[26u]; store(out6 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[27u]; store(out6 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
+  if (local_row + 7u < params.rows) {
+    let out7 = params.y_offset + t0 * params.y_stride + local_row + 7u;
+    { let p = sp[28u]; store(out7 + 0u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 1u) { let p = sp[29u]; store(out7 + 1u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 2u) { let p = sp[30u]; store(out7 + 2u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+    if (tile > 3u) { let p = sp[31u]; store(out7 + 3u * params.y_stride, (p.x + p.y) + (p.z + p.w)); }
+  }
 }

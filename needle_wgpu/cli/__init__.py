@@ -24,7 +24,7 @@ from ..grammar import GrammarError, compile_schema
 from ..sampling import clamp_count
 from .bench import run_benchmark, run_constrained_benchmark, speculative_pairs
 from .chat import run_chat
-from .serve import add_serve_parser
+from .serve import add_serve_parser, run_streams_benchmark
 from .options import Progress, add_sampling_options, join_option_values, sampling_keywords, writes_utf8
 
 DEFAULT_QUERY = "What's the weather in Paris?"
@@ -185,7 +185,12 @@ def cmd_bench(args) -> int:
     if args.constrained and (args.rungs is not None or args.speculative is not None):
         raise NeedleError("bench --constrained measures the grammar mask alone: run --rungs/--speculative "
                           "separately")
+    if args.streams is not None and (args.constrained or args.rungs is not None or args.speculative is not None):
+        raise NeedleError("bench --streams measures concurrent streams alone: run the other options separately")
     _check_writable(args.json)  # before minutes of benchmarking, not after
+    if args.streams is not None:
+        run_streams_benchmark(args)
+        return 0
     (run_constrained_benchmark if args.constrained else run_benchmark)(args)
     return 0
 
@@ -313,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="read each round before submitting the next (rounds are pipelined by default)")
     bench.add_argument("--speculative", nargs="*", metavar="DEPTH,K", default=None,
                        help="also time greedy self-speculative decoding for these pairs (none: a default set)")
+    bench.add_argument("--streams", default=None, metavar="N,N,...",
+                       help="concurrent streams through the server's batching scheduler (e.g. 1,4,8,16): aggregate "
+                            "and per-stream decode tok/s and time to first token per count")
+    bench.add_argument("--repeat", type=float, default=1,
+                       help="with --streams: run the series this many times and report the best of each count too")
     bench.set_defaults(run=cmd_bench)
 
     heads = sub.add_parser("heads", help="Needle 3 probe heads: embedding, router and confidence as JSON")

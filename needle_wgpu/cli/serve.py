@@ -26,6 +26,9 @@ def add_serve_parser(sub) -> None:
                        "model's own; each running request holds a KV cache this long)")
     serve.add_argument("--kv", default=None, help="KV cache mode of every session (default: the model's own)")
     serve.add_argument("--max-queue", type=int, default=32, help="requests waiting per model; more get 429")
+    serve.add_argument("--max-sequences", type=int, default=8,
+                       help="per model, requests decoded together in one batched step, each holding a KV cache of "
+                            "the context (the pool; more wait in the queue)")
     serve.add_argument("--time-limit", type=float, default=300.0, help="seconds a request may take (504 past it)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
@@ -35,6 +38,13 @@ def add_serve_parser(sub) -> None:
                             "only the rest (default 512 MiB; 0: none)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=cmd_serve)
+
+
+def run_streams_benchmark(args) -> dict:
+    """``bench --streams``: concurrent streams through the server's scheduler (needs its extra)."""
+    from ..server.bench_streams import run_streams_benchmark as run
+
+    return run(args)
 
 
 def cmd_serve(args) -> int:
@@ -54,7 +64,8 @@ def cmd_serve(args) -> int:
     for spec in specs:
         if not os.path.isfile(spec.source):
             raise NeedleError(f"{spec.source}: no such file")
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, time_limit_s=args.time_limit,
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                    max_sequences=max(1, args.max_sequences), time_limit_s=args.time_limit,
                     shutdown_grace_s=args.shutdown_grace, prefix_cache_bytes=args.prefix_cache_bytes)
     config = ServerConfig(models=tuple(specs), api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                           cors=tuple(args.cors), limits=limits)

@@ -21,6 +21,7 @@ CODE_BITS = {2: 2, 3: 3, 4: 4, TERNARY: 2, BINARY: 1}
 ROWWISE_CODE_BITS = (2, 4)  # the widths cq_matmul_rows.wgsl decodes
 MATMUL_ROWS = 8
 ROWWISE_TILE = 8  # positions per invocation of cq_matmul_rows in prefill
+ROWWISE_ROWS = 4  # rows per invocation of cq_matmul_rows (they share each activation load)
 
 
 def check(group: int) -> None:
@@ -209,10 +210,11 @@ def matmul(plan: Plan, arena: UniformArena, pack: CQPack, levels, xh, y, *, posi
         tile = 1 if positions == 1 else 4 if positions <= 4 else ROWWISE_TILE
         if (x_stride | x_offset | x_block_stride) % 4:
             raise ValueError("cq_matmul_rows reads xh as vec4: strides and offsets must be multiples of 4")
+        rows_each = 1 if x_block_rows > 0 else ROWWISE_ROWS  # a row's input block decides its x
         key = KernelKey("cq_matmul_rows", consts=(
-            ("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]), ("TT", tile),
+            ("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]), ("TT", tile), ("ROWS", rows_each),
             ("GROUPS", pack.groups), ("GROUP_CHUNKS", pack.group // 32), ("BLOCKED", x_block_rows > 0)))
-        rows_per_group = 64
+        rows_per_group = 64 * rows_each
     else:
         tile = tile or (1 if positions == 1 else 8)
         key = KernelKey("cq_matmul", consts=(("CODE_BITS", code_bits), ("LEVEL_BASE", LEVEL_BASE[pack.bits]),

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from ..chat.dense import DenseChat
 from ..chat.template import ChatTemplate
-from ..constants import f32, sqrt
+from ..constants import f32
 from ..errors import ContextFullError, InputError, UnsupportedModelError
 from ..formats.dense_geometry import DenseGeometry
 from ..formats.gguf import MAGIC, GgufFile, open_gguf
@@ -44,12 +44,12 @@ from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..gpu.sizing import WEBGPU_DEFAULT_LIMITS, SizingDevice
 from ..kernels import attention as attention_ops
 from ..kernels import conv as conv_ops
-from ..kernels import ffn as ffn_ops
 from ..kernels import moe as moe_ops
-from ..kernels import norm as norm_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
 from ..pooling import Pool, file_pooling, rows_needed
+from .dense_batch import DenseBatch
+from .dense_layers import build_layers, embedding_scale, head, qkv_width
 from .protocols import Capabilities
 from .session import ChunkedSession, PlanKey, clamp_context, session_ids
 
@@ -278,6 +278,7 @@ class DenseGpu:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(numerics=NUMERICS, mask=DenseSession.supports_mask, verify=DenseSession.supports_verify,
+                            batch=not self.geometry.conv_layers,
                             pooling=self.pooling)
 
     @property
@@ -294,6 +295,11 @@ class DenseGpu:
 
     def describe(self) -> dict:
         return describe(self.parsed) | {"gpu_weight_bytes": self.weight_bytes}
+
+    def batch(self, capacity: int) -> DenseBatch:
+        """Scratch and plans for decode steps of up to ``capacity`` of this model's sessions at
+        once (``models.batch.DecodeBatch``)."""
+        return DenseBatch(self, capacity)
 
     def session(self, context=None, kv="f32") -> "DenseSession":
         return DenseSession(self, context=context, kv=kv)
@@ -316,16 +322,17 @@ class DenseSession(ChunkedSession):
             raise UnsupportedModelError(f"kv={kv!r}: dense models keep an f32 or f16 KV cache")
         dev = self.device
         self.logit_rows = g.head_rows
-        qkv_width = max(g.q_dim + g.k_dim + g.v_dim, 3 * g.d_model if g.conv_layers else 0)  # lfm2: b | c | x
+        qkv = qkv_width(g)
         routed = max(1, g.num_experts_used)  # MoE: each position's gate | up rows per selected expert
-        widest = F32 * max(g.head_rows, qkv_width, 2 * g.ff_dim * routed, g.d_model)
+        widest = F32 * max(g.head_rows, qkv, 2 * g.ff_dim * routed, g.d_model)
         self.chunk = T = max(1, min(PREFILL_CHUNK, self.context, dev.limits.max_storage_binding // widest))
         s = lambda width, label: dev.buffer(F32 * T * width, label=label, kind="scratch")
         self.x = s(g.d_model, "residual")
         self.h = s(g.d_model, "normed")
-        self.qkv = s(qkv_width, "qkv")
+        self.qkv = s(qkv, "qkv")
         self.q = s(g.q_dim, "q")
         self.o = s(max(g.attn_out, g.d_model if g.conv_layers else 0), "attention")  # lfm2: the gated conv
+        self.o_stride = g.attn_out  # floats per attention-output row (a convolution block's rows: d_model)
         self.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
         self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
         self.act = s(g.ff_dim * routed, "act")
@@ -369,110 +376,34 @@ class DenseSession(ChunkedSession):
 
     def _build(self, key: PlanKey) -> Plan:
         m, g, dev = self.model, self.model.geometry, self.device
-        T, d = key.positions, g.d_model
+        T = key.positions
         arena = UniformArena(dev, capacity=max(1 << 14, 4096 * (g.num_layers + 2) * 16), label=f"uniforms.T{T}")
         plan = Plan(dev, f"dense chunk T={T}")
         step = Binding(self.step_uniform)
         vec = m.vector_buffer
-        rules = g.rules
-        embed_scale = sqrt(d) if rules.embedding_scale else f32(g.embedding_multiplier or 1.0)
-        residual_scale = g.residual_multiplier or None  # granite: each sublayer's output times it
-        qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T, scale=embed_scale)
-        qkv_width = max(g.q_dim + g.k_dim + g.v_dim, 3 * d if g.conv_layers else 0)
-        pre = rules.pre_norms  # olmo2: the sublayers read the residual stream x itself
-        sublayer_in = self.h if pre else self.x
-        for layer in range(g.num_layers):
-            w = m.layers[layer]
-            name = lambda n: f"blk.{layer}.{n}"
-            norm = m.vector(name("attn_norm.weight")) if pre else 0
-            if layer == 0 and pre:
-                norm_ops.rms_norm(plan, arena, x=self.x, weights=vec, y=self.h, width=d, positions=T,
-                                  eps=g.rms_eps, weight_at=norm, label="attn_norm 0")
-            elif layer:
-                post = m.vector(f"blk.{layer - 1}.post_ffw_norm.weight") if rules.post_norms else None
-                norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                                      positions=T, eps=g.rms_eps, weight_at=norm, residual_weight_at=post,
-                                      residual_scale=residual_scale, normed=pre,
-                                      label=f"ffn residual + attn_norm {layer}")
-            for pack, row in w["qkv"]:
-                qmatmul.q_matmul(plan, arena, pack, sublayer_in, self.qkv, positions=T, x_stride=d, y_stride=qkv_width,
-                                 y_offset=row)
+        qmatmul.get_rows(plan, arena, m.embedding, self.tokens, self.x, step=step, positions=T,
+                         scale=embedding_scale(g))
+        stride = qkv_width(g)
+
+        def attend(plan: Plan, arena: UniformArena, layer: int, vectors: dict) -> None:
             if g.is_conv(layer):  # lfm2: o = c ⊙ conv(b ⊙ x) over the block's ring
-                conv_ops.short_conv(plan, arena, step, bcx=self.qkv, weights=vec, ring=self.conv_rings[layer], y=self.o,
-                                    width=d, taps=g.conv_taps, positions=T, slots=self.conv_slots,
-                                    weight_at=m.vector(name("shortconv.conv.weight")), bcx_stride=qkv_width,
+                conv_ops.short_conv(plan, arena, step, bcx=self.qkv, weights=vec, ring=self.conv_rings[layer],
+                                    y=self.o, width=g.d_model, taps=g.conv_taps, positions=T, slots=self.conv_slots,
+                                    weight_at=m.vector(f"blk.{layer}.shortconv.conv.weight"), bcx_stride=stride,
                                     label=f"short_conv {layer}")
-            else:
-                shape, vectors = self.shapes[layer], {}
-                if shape.norm != "none":
-                    vectors.update(q_norm_at=m.vector(name("attn_q_norm.weight")),
-                                   k_norm_at=m.vector(name("attn_k_norm.weight")))
-                if shape.bias:
-                    vectors.update(q_bias_at=m.vector(name("attn_q.bias")), k_bias_at=m.vector(name("attn_k.bias")),
-                                   v_bias_at=m.vector(name("attn_v.bias")))
-                attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q,
-                                      cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
-                                      qkv_stride=qkv_width, label=f"qk_rope {layer}", **vectors)
-                attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
-                                        positions=T, partials=self.partials, label=f"attention {layer}")
-            out_width = d if g.is_conv(layer) else g.attn_out
-            qmatmul.q_matmul(plan, arena, w["out"], self.o, self.branch, positions=T, x_stride=out_width,
-                             y_stride=d)
-            post = m.vector(name("post_attention_norm.weight")) if rules.post_norms else None
-            norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                                  positions=T, eps=g.rms_eps, weight_at=m.vector(name("ffn_norm.weight")) if pre else 0,
-                                  residual_weight_at=post, residual_scale=residual_scale, normed=pre,
-                                  label=f"attention residual + ffn_norm {layer}")
-            if g.is_moe:
-                self._moe_ffn(plan, arena, w, T, layer)
-            else:
-                self._dense_ffn(plan, arena, w, T, act=rules.activation, x=sublayer_in, label=f"ffn act {layer}")
-        post = m.vector(f"blk.{g.num_layers - 1}.post_ffw_norm.weight") if rules.post_norms else None
-        norm_ops.add_rms_norm(plan, arena, x=self.x, residual=self.branch, weights=vec, y=self.h, width=d,
-                              positions=T, eps=g.rms_eps, weight_at=m.vector(f"{rules.output_norm}.weight"),
-                              residual_weight_at=post, residual_scale=residual_scale, label="ffn residual + output_norm")
+                return
+            shape = self.shapes[layer]
+            attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q,
+                                  cache=self.caches[layer], positions=T, vectors=vec if vectors else None,
+                                  qkv_stride=stride, label=f"qk_rope {layer}", **vectors)
+            attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer], o=self.o,
+                                    positions=T, partials=self.partials, label=f"attention {layer}")
+
         scored = T if key.all_logits else 1
-        qmatmul.q_matmul(plan, arena, m.head, self.h, self.logits, positions=scored, x_stride=d,
-                         x_offset=(T - scored) * d, y_stride=g.head_rows)
-        if g.output_bias:
-            norm_ops.add_bias(plan, arena, y=self.logits, bias=vec, width=g.head_rows, positions=scored,
-                              bias_at=m.vector("output.bias"), label="output.bias")
-        if g.logit_scale or g.final_softcap:  # granite: logits · f32(1 / logit_scale); gemma2: capped
-            norm_ops.scale_softcap(plan, arena, y=self.logits, width=g.head_rows, positions=scored,
-                                   scale=f32(1.0 / f32(g.logit_scale)) if g.logit_scale else None,
-                                   cap=g.final_softcap or None, label="logit scale / softcap")
+        build_layers(plan, arena, m, self, T, attend, gemm=None)
+        head(plan, arena, m, self, T, scored)
         if key.sample is not None:
             sample_ops.sample(plan, arena, step, logits=self.logits, logits_offset=(scored - 1) * g.head_rows,
                               rows=g.head_rows, tokens=self.tokens, result=self.result, context=self.context,
                               positions=T, sampling=key.sample, mask=self.mask if key.mask else None)
         return plan
-
-    def _dense_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, act: str, x, label: str) -> None:
-        """branch = Wdown (act(Wgate x) · Wup x) (§3.2); x is h, or the stream itself (olmo2)."""
-        d, ff = self.model.geometry.d_model, self.model.geometry.ff_dim
-        for pack, row in w["gate_up"]:
-            qmatmul.q_matmul(plan, arena, pack, x, self.gate_up, positions=T, x_stride=d, y_stride=2 * ff,
-                             y_offset=row)
-        ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
-                                 positions=T, act=act, gate_stride=2 * ff, up_stride=2 * ff, up_offset=ff,
-                                 label=label)
-        qmatmul.q_matmul(plan, arena, w["down"], self.act, self.branch, positions=T, x_stride=ff,
-                         y_stride=d)
-
-    def _moe_ffn(self, plan: Plan, arena: UniformArena, w: dict, T: int, layer: int) -> None:
-        """branch = Σ_j w_j Wdown_e (silu(Wgate_e h) · Wup_e h) over each position's top-k experts
-        (§3.2 MoE); gate_up and act hold one row per (position, selected expert)."""
-        g = self.model.geometry
-        d, ff, experts, used = g.d_model, g.ff_dim, g.num_experts, g.num_experts_used
-        qmatmul.q_matmul(plan, arena, w["ffn_gate_inp"], self.h, self.router_logits, positions=T, x_stride=d,
-                         y_stride=experts)
-        moe_ops.route(plan, arena, logits=self.router_logits, routes=self.routes, positions=T, experts=experts,
-                      used=used, renormalise=g.rules.renormalise, label=f"moe route {layer}")
-        for name, offset in (("ffn_gate_exps", 0), ("ffn_up_exps", ff)):
-            moe_ops.routed_matmul(plan, arena, w[name], self.routes, self.h, self.gate_up, experts=experts,
-                                  used=used, positions=T, combine=False, x_stride=d, y_stride=2 * ff, y_offset=offset)
-        ffn_ops.gated_activation(plan, arena, gate=self.gate_up, up=self.gate_up, out=self.act, width=ff,
-                                 positions=T * used, act=g.rules.activation, gate_stride=2 * ff, up_stride=2 * ff,
-                                 up_offset=ff, label=f"ffn act {layer}")
-        moe_ops.routed_matmul(plan, arena, w["ffn_down_exps"], self.routes, self.act, self.branch, experts=experts,
-                              used=used, positions=T, combine=True, x_stride=ff, y_stride=d)

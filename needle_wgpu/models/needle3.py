@@ -16,12 +16,14 @@ from ..gpu.device import Binding, Device, Plan, UniformArena
 from ..inputs import checked_methods, flag
 from ..kernels import attention as attention_ops
 from ..kernels import cq
-from ..kernels.needle3 import embed as embed_ops, engram as engram_ops, mhc as mhc_ops, mlp as mlp_ops
+from ..kernels.needle3 import embed as embed_ops, mhc as mhc_ops, mlp as mlp_ops
 from ..kernels.needle3 import probe as probe_ops
 from ..kernels import sample as sample_ops
 from ..kernels.needle3.fp16_store import Fp16Store, permutation_words
 from ..chat.needle3 import Needle3Chat
-from .needle3_support import check_supported, widest_row_bytes
+from .needle3_batch import Needle3Batch
+from .needle3_layers import build_blocks, build_engram, build_head
+from .needle3_support import _pad, check_supported, widest_row_bytes
 from .ladder import Rung, full_rung, rung
 from .protocols import Capabilities
 from .session import ChunkedSession, PlanKey, session_ids
@@ -165,7 +167,7 @@ class Needle3Gpu:
         confidence = self.confidence is not None and self.confidence.host_work <= probe_ops.MAX_HOST_WORK
         return Capabilities(heads=frozenset(self.heads), confidence=confidence, depth_ladder=True,
                             numerics=NUMERICS, mask=Needle3Session.supports_mask,
-                            verify=Needle3Session.supports_verify)
+                            verify=Needle3Session.supports_verify, batch=True)
 
     @property
     def name(self) -> str:
@@ -206,9 +208,10 @@ class Needle3Gpu:
         return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads,
                               pad_masked=pad_masked)
 
-
-def _pad(width: int, group: int) -> int:
-    return (width + group - 1) // group * group
+    def batch(self, capacity: int) -> "Needle3Batch":
+        """Scratch and plans for decode steps of up to ``capacity`` of this model's plain sessions
+        at once (``models.batch.DecodeBatch``)."""
+        return Needle3Batch(self, capacity)
 
 
 @checked_methods
@@ -251,6 +254,7 @@ class Needle3Session(ChunkedSession):
         self.qkvg = s(g.q_dim + g.k_dim + g.v_dim + g.attn_out, "qkvg")
         self.q = s(g.q_dim, "q")
         self.o = s(g.attn_out, "o")
+        self.qkvg_stride, self.o_stride = g.q_dim + g.k_dim + g.v_dim + g.attn_out, g.attn_out  # floats a row
         self.oh = s(_pad(g.attn_out, G), "oh")
         self.a = s(g.d_model, "a")
         self.xfh = s(_pad(g.d_model, G), "xfh")
@@ -310,53 +314,19 @@ class Needle3Session(ChunkedSession):
         """
         T, sample = key.positions, key.sample
         m, g, dev = self.model, self.model.geometry, self.device
-        G, d, n = m.group, g.d_model, g.mhc_lanes
         arena = UniformArena(dev, capacity=1 << 17, label=f"uniforms.T{T}")
         plan = Plan(dev, f"chunk T={T}")
         step = Binding(self.step_uniform)
-        sites = len(g.engram_sites)
-        stored_sites = m.rung.sites  # site s runs the stored site stored_sites[s] (§U f)
-        d_pad = _pad(d, G)
-
         cells = self.cells
         deploy = m.deploy  # A8 inside the kernels that prepare a CQ product's input (§4.9)
         pads = self.tokens if self.pad_masked else None  # the ids the pad mask reads (§U a)
         embed_ops.embed(plan, arena, step, geometry=g, pack=m.embedding, levels=m.levels, tokens=self.tokens,
                         lanes=self.lanes, positions=T, cells=cells)
-        # Engram keys and values for every site, once per chunk (§4.2).
-        for s, kept in enumerate(stored_sites):
-            engram_ops.fetch(plan, arena, step, geometry=g, site=s, tables=m.engram_tables[kept], levels=m.levels,
-                             tokens=self.tokens, eh=self.eh, positions=T, act_quant=deploy, pad_mask=self.pad_masked)
-        if sites and m.rung.full:
-            cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
-                      y_stride=sites * 2 * d, x_block_rows=2 * d, x_block_stride=T * self.eh_width)
-        else:  # a rung: each kept site's band of the stored key/value projections
-            for s, kept in enumerate(stored_sites):
-                cq.matmul(plan, arena, m.engram_kv, m.levels, self.eh, self.ekv, positions=T, x_stride=self.eh_width,
-                          x_offset=s * T * self.eh_width, y_stride=sites * 2 * d, y_offset=s * 2 * d,
-                          row_start=kept * 2 * d, rows=2 * d)
-        engram_ops.conv(plan, arena, step, geometry=g, fp16_store=m.fp16, ekv=self.ekv, ring=self.engram_ring,
-                        ring_size=self.ring, ev=self.ev, positions=T, stored_sites=stored_sites, pad_tokens=pads)
+        build_engram(plan, arena, m, self, step, T, ekv=self.ekv, ev=self.ev)
 
-        qkvg_width = g.q_dim + g.k_dim + g.v_dim + g.attn_out
         compiled = dev.pipeline_count
-        # Block ``layer`` runs stored layer ``kept`` (the same at full depth; a rung's blocks
-        # are its kept layers, §U f): stored tensors by ``kept``, lane and cell by ``layer``.
-        for layer, kept in enumerate(m.rung.blocks):
-            if dev.pipeline_count != compiled:  # only report while new pipelines are compiling
-                m.report("compile", layer, g.num_layers)
-            weights = m.layers[layer]
-            mhc_ops.mhc_norm(plan, arena, self.lanes, self.nxh, lanes_n=n, width=d, group=G, positions=T,
-                             act_quant=deploy)
-            cq.matmul(plan, arena, m.mhc, m.levels, self.nxh, self.mix, positions=T, x_stride=_pad(g.mhc_width, G),
-                      y_stride=m.mix_width, row_start=kept * m.mix_width, rows=m.mix_width)
-            site = g.engram_site(layer)
-            gate = mhc_ops.EngramGateInputs(self.ekv, self.ev, site, sites) if site >= 0 else None
-            mhc_ops.mhc_mix(plan, arena, m.fp16, self.lanes, self.mix, self.state, self.hh, layer=kept,
-                            lanes_n=n, width=d, group=G, positions=T, engram=gate, active_lane=layer % n,
-                            act_quant=deploy)
-            cq.matmul(plan, arena, weights["qkvg"], m.levels, self.hh, self.qkvg, positions=T, x_stride=d_pad,
-                      y_stride=qkvg_width)
+
+        def attend(plan: Plan, arena: UniformArena, layer: int, kept: int) -> None:
             shape = attention_ops.needle3_shape(g, layer)
             attention_ops.qkv_post(plan, arena, step, shape=shape, layer=kept, fp16_store=m.fp16, qkvg=self.qkvg,
                                    ring=self.qkv_rings[layer], ring_size=self.ring, q_out=self.q,
@@ -365,19 +335,10 @@ class Needle3Session(ChunkedSession):
             attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=self.caches[layer],
                                     gate=self.qkvg, o=self.o, positions=T, int8=self.int8, pad_tokens=pads,
                                     partials=self.partials, label=f"attention {layer}")
-            cq.prepare(plan, arena, self.o, self.oh, width=g.attn_out, group=G, positions=T, x_stride=g.attn_out,
-                       act_quant=deploy)
-            cq.matmul(plan, arena, weights["out"], m.levels, self.oh, self.a, positions=T,
-                      x_stride=_pad(g.attn_out, G), y_stride=d)
-            mlp_ops.mlp_mix(plan, arena, m.fp16, m.perm, self.a, self.state, self.lanes, layer=kept,
-                            shape=m.hada_shape, lanes_n=n, positions=T, cells=cells, cell_index=layer + 1,
-                            cell_stride=(g.num_layers + 1) * d)
 
-        embed_ops.final_norm(plan, arena, geometry=g, fp16_store=m.fp16, lanes=self.lanes, xfh=self.xfh,
-                             positions=T, group=G, act_quant=deploy)
+        build_blocks(plan, arena, m, self, T, attend, cells=cells)
         scored = T if key.all_logits else 1
-        cq.matmul(plan, arena, m.embedding, m.levels, self.xfh, self.logits, positions=scored, x_stride=d_pad,
-                  x_offset=(T - scored) * d_pad, y_stride=g.head_rows, rows=g.head_rows)
+        build_head(plan, arena, m, self, T, scored)
         if cells is not None:
             self._build_probe_pool(plan, arena, T)
         if dev.pipeline_count != compiled:

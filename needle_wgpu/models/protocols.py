@@ -34,6 +34,7 @@ class Capabilities:
     numerics: tuple = ("float",)  # the numerics it runs (needle_wgpu.models.needle3_numerics)
     mask: bool = False  # constrained decoding: the sampler takes an allowed-id mask
     verify: bool = False  # speculative verify: a sampler after every position of a chunk
+    batch: bool = False  # ``gpu_model.batch(capacity)``: decode steps of several sessions in one submit (models.batch)
     pooling: str = ""  # dense embeddings: how the final hidden states pool (pooling.POOLINGS); "" for none
 
     @property

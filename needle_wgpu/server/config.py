@@ -15,7 +15,8 @@ class Limits:
 
     max_body_bytes: int = 4 << 20  # a request body past this is a 413
     max_messages: int = 1024  # messages (chat) or inputs (embeddings, completions) in one request
-    max_queue: int = 32  # requests waiting per model beyond the one running; more is a 429
+    max_queue: int = 32  # requests waiting per model beyond the running ones; more is a 429
+    max_sequences: int = 8  # per model: requests decoded together, each with its KV cache (the pool)
     time_limit_s: float = 300.0  # from arrival to the last token; past it a 504 (or an error chunk)
     shutdown_grace_s: float = 10.0  # SIGTERM: running requests get this long to finish
     prefix_cache_bytes: int = 512 << 20  # per model: KV caches of recent chats kept for their prefixes (0: none)

@@ -18,6 +18,7 @@ class ModelHost:
         if len(self.specs) != len(config.models):
             raise ValueError("two served models have the same name")
         self.schedulers = {spec.name: Scheduler(spec.name, _loader(spec), max_queue=config.limits.max_queue,
+                                                max_sequences=config.limits.max_sequences,
                                                 metrics=metrics, probe_kv=_kv_probe(spec),
                                                 prefix_cache_bytes=config.limits.prefix_cache_bytes)
                            for spec in config.models}

@@ -103,7 +103,10 @@ class Metrics:
         for key, help_text in (("queue_depth", "Requests waiting for a model's worker"),
                                ("active_sequences", "Sequences a model's worker is running"),
                                ("kv_bytes_in_use", "KV cache bytes held by the running sequences"),
-                               ("prefix_cache_bytes", "KV cache bytes the prefix cache holds for later requests")):
+                               ("prefix_cache_bytes", "KV cache bytes the prefix cache holds for later requests"),
+                               ("kv_pool_bytes", "KV cache bytes a model's pool of sequences has open (running, "
+                                                 "kept by the prefix cache, or free for the next request)"),
+                               ("kv_pool_sequences", "Sequences a model's KV pool may hold at once")):
             family(key, "gauge", help_text)
             for model, values in gauges.items():
                 sample(key, {"model": model}, values[key])

@@ -2,11 +2,10 @@
 model's GPU (the model is loaded on that thread, and every wgpu call of it is made there).
 
 The HTTP layer only ever calls ``Scheduler.submit(job)`` and ``Job.cancel``, and reads the
-job's events (``Job.events``: ``("data", payload)`` ... then ``("end", None)`` or ``("error",
-ApiError)``). How the worker advances its jobs is the stepper's business: ``SequentialStepper``
-runs one sequence at a time, one event per step. A batched engine session replaces it with a
-stepper whose ``step`` advances every admitted sequence by one token (its ``capacity`` the KV
-pool's sequences); ``Scheduler`` and the HTTP layer stay as they are.
+job's events (handed to ``Job.deliver``: ``("data", payload)`` ... then ``("end", None)`` or
+``("error", ApiError)``). How the worker advances its jobs is the stepper's business:
+``batching.BatchingStepper`` advances every admitted sequence by one token per step, in one
+batched decode step (its ``capacity``: the KV pool's sequences, ``Limits.max_sequences``).
 
 A job ends early, at its next step (or the engine's next ``should_stop`` question, asked before
 each prefill chunk and each decode step), when its client disconnects, when its time limit
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import DeviceLostError
+from .batching import BatchingStepper
 from .errors import ApiError, cancelled, error_of, queue_full, shutting_down, timed_out
 from .prefix_cache import PrefixCache
 
@@ -45,7 +45,6 @@ class Job:
     started: float | None = None
     stop_reason: str | None = None
     usage: dict = field(default_factory=dict)  # what the body reports for the metrics
-    events: object = None  # the running body (a generator), while admitted
     prefix_cache: object = None  # the model's ``PrefixCache``, handed to the body when admitted
     finished: bool = False
 
@@ -68,58 +67,12 @@ class Job:
         return {TIMEOUT: timed_out(self.time_limit_s), SHUTDOWN: shutting_down()}.get(self.stop_reason, cancelled())
 
 
-class SequentialStepper:
-    """The one-sequence step: at most ``capacity`` (1) job admitted; ``step`` advances it by
-    one event of its body (a token's chunk while streaming, the whole response otherwise)."""
-
-    capacity = 1
-
-    def __init__(self, finish: Callable):
-        self.active: list = []
-        self.device_lost = False  # a step lost the device: the scheduler loads the model again
-        self.finish = finish  # finish(job, error or None): the scheduler's bookkeeping
-
-    def has_room(self) -> bool:
-        return len(self.active) < self.capacity
-
-    def admit(self, job: Job, model) -> None:
-        job.started = time.monotonic()
-        job.events = job.body(model, job)
-        self.active.append(job)
-
-    def step(self) -> None:
-        for job in list(self.active):
-            try:
-                payload = next(job.events)
-            except StopIteration:
-                self.leave(job, job.stopped_error() if job.stop_reason else None)
-                continue
-            except BaseException as exc:  # noqa: BLE001  the request fails, the worker goes on
-                self.device_lost = self.device_lost or isinstance(exc, DeviceLostError)
-                self.leave(job, job.stopped_error() if job.stop_reason else error_of(exc))
-                continue
-            if job.stop_reason:  # the engine stopped because it was asked to: no result
-                self.leave(job, job.stopped_error())
-            else:
-                job.deliver(("data", payload))
-
-    def leave(self, job: Job, error: ApiError | None) -> None:
-        """The job ends (finished, failed or stopped); its session is closed with its body."""
-        if job in self.active:
-            self.active.remove(job)
-        try:
-            job.events.close()
-        except BaseException as exc:  # noqa: BLE001
-            log.error("closing a request failed", exc_info=exc)
-        self.finish(job, error)
-
-
 class Scheduler:
     """A model's queue and worker thread. ``load()`` (called on the worker) returns the
     ``api.Model``; ``kv_bytes`` is then one sequence's KV cache in bytes (for the metrics)."""
 
     def __init__(self, name: str, load: Callable, *, max_queue: int, metrics=None, probe_kv: Callable = None,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, max_sequences: int = 8):
         self.name, self.load, self.max_queue, self.metrics = name, load, max_queue, metrics
         self.probe_kv = probe_kv
         self.prefix_cache = PrefixCache(prefix_cache_bytes)  # the worker thread's alone
@@ -129,7 +82,7 @@ class Scheduler:
         self.queue: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.finish_lock = threading.Lock()
-        self.stepper = SequentialStepper(self._finish)
+        self.stepper = BatchingStepper(self._finish, max_sequences, reclaim=self.prefix_cache.evict_oldest)
         self.accepting, self.stopping = True, False
         self.ready = threading.Event()
         self.mean_request_s = 1.0  # for Retry-After: a running average of request time
@@ -164,8 +117,10 @@ class Scheduler:
     def gauges(self) -> dict:
         with self.cond:
             active = len(self.stepper.active)
+            held = getattr(self.stepper, "sequences_in_use", lambda: active)()  # the pool's open sessions
             return {"queue_depth": len(self.queue), "active_sequences": active,
-                    "kv_bytes_in_use": active * self.kv_bytes, "prefix_cache_bytes": self.prefix_cache.cached_bytes()}
+                    "kv_bytes_in_use": active * self.kv_bytes, "kv_pool_bytes": held * self.kv_bytes,
+                    "kv_pool_sequences": self.stepper.capacity, "prefix_cache_bytes": self.prefix_cache.cached_bytes()}
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new jobs, end the queued ones (503), and give the running ones ``grace_s``
@@ -214,7 +169,7 @@ class Scheduler:
                 if self.stopping and not self.queue and not self.stepper.active:
                     return
                 admitted = []
-                while self.queue and self.stepper.has_room():
+                while self.queue and len(self.stepper.active) + len(admitted) < self.stepper.capacity:
                     admitted.append(self.queue.popleft())
                 stale = [job for job in self.stepper.active if job.should_stop()]
             if admitted and self.stepper.device_lost and not self.stepper.active:

@@ -182,3 +182,17 @@ def test_split_above_binding_limit(fixture_dir):
         small.bind_group(small.pipeline(cq.KernelKey("cq_prepare", consts=(("GROUP", 128), ("CAP", 256), ("ACT_QUANT", False),
                          ("FWHT_SCALE", cq.fwht_scale(128))))), [small.buffer(64, label="u", usage="uniform"),
                          small.buffer(40000, label="big"), small.buffer(64, label="o")])
+
+
+@pytest.mark.parametrize("bits", [cact.BINARY, 2, 3, 4, cact.TERNARY])
+def test_positions_are_bitwise_one_position(variant, bits):
+    """A position's row over several positions has the very bits it has alone (a batch of
+    decode steps is each sequence's step alone, models/batch.py)."""
+    device = variant
+    rng = np.random.default_rng(bits * 7 + 1)
+    w = random_cq(rng, rows=45, cols=200, bits=bits)
+    x = rng.normal(size=(6, 200)).astype(np.float32)
+    _, together, _, _ = run_matmul(device, [w], x)
+    for t in range(len(x)):
+        _, alone, _, _ = run_matmul(device, [w], x[t:t + 1])
+        assert together[t].tobytes() == alone[0].tobytes(), f"position {t}"

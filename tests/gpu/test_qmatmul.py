@@ -201,6 +201,24 @@ def test_default_shape_follows_the_adapter(device, tensors):
         device.software_rasterizer = saved
 
 
+@pytest.mark.parametrize("T", [3, 10])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemv_over_positions_is_bitwise_one_position(device, tensors, qtype, shape, T):
+    """``gemm=False`` over several positions (a batch of decode steps, the CPU shape's SPLIT
+    tiles) gives each position the very bits of a one-position GEMV: a sequence's step in a
+    batch is the step alone (models/batch.py). 3 positions: entry split8's partial tile; 10: a
+    full tile of 8 and a partial one."""
+    raw, w = tensors[qtype]
+    pack = qmatmul.upload(device, qtype, qtype, raw, w.shape[0], w.shape[1])
+    x = np.random.default_rng(7).normal(size=(T, w.shape[1])).astype(np.float32)
+    together = run_matmul(device, pack, x, shape=shape, gemm=False)
+    for t in range(len(x)):
+        alone = run_matmul(device, pack, x[t:t + 1], shape=shape, gemm=False)
+        assert together[t].tobytes() == alone[0].tobytes(), f"position {t}"
+    assert rel(together, ref.matmul(w, x)) <= GATE
+
+
 @pytest.mark.slow
 def test_gemv_workgroup_fold(device):
     """More than 65,535 GPU-shape GEMV workgroups (262,148 rows) fold into z and stay exact."""

@@ -1,5 +1,5 @@
 """A bounded load: 16 concurrent streaming clients, 48 requests (greedy and seeded sampling, each
-its own prompt), against a queue that holds 12. Every request either streams exactly the answer
+its own prompt), against 4 sequences decoded together (batched) and a queue that holds 8. Every request either streams exactly the answer
 it gets alone (the server's non-streamed answer, asked one at a time beforehand) or is refused
 with a typed 429; nothing is lost, and afterwards nothing is queued, running or holding KV."""
 
@@ -26,8 +26,8 @@ def request(i: int) -> dict:
 
 
 def test_concurrent_streams_get_their_own_answers_or_a_typed_error(tiny_gguf):
-    config = ServerConfig(models=models(tiny_gguf, context=128)[:1], limits=Limits(max_queue=12))
-    with live_server(config) as (url, _):
+    config = ServerConfig(models=models(tiny_gguf, context=128)[:1], limits=Limits(max_queue=8, max_sequences=4))
+    with live_server(config) as (url, runner):
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             alone = [client.chat.completions.create(**request(i)).choices[0] for i in range(REQUESTS)]
 
@@ -58,17 +58,20 @@ def test_concurrent_streams_get_their_own_answers_or_a_typed_error(tiny_gguf):
 
         outcomes = run_async(load(), 300)
         health, metrics = httpx.get(url + "/health").json(), httpx.get(url + "/metrics").text
+        stepper = runner.config.app.state.host.schedulers["tiny"].stepper
     answered = [i for i, o in enumerate(outcomes) if o and o[0] == "answer"]
     refused = [i for i, o in enumerate(outcomes) if o and o[0] == "refused"]
     assert len(answered) + len(refused) == REQUESTS  # nothing lost
-    assert len(answered) >= CLIENTS // 2 and refused  # both outcomes happen: 16 clients, room for 13
+    assert len(answered) >= CLIENTS // 2 and refused  # both outcomes happen: 16 clients, room for 12
     print(f"{len(answered)} answered, {len(refused)} refused")
     for i in answered:
         assert outcomes[i][1:] == (alone[i].message.content, alone[i].finish_reason), i
     for i in refused:
         status, code, retry_after = outcomes[i][1:]
         assert status == 429 and code == "queue_full" and int(retry_after) >= 1
+    assert stepper.rows > stepper.steps  # decode steps advanced several requests at once
     gauges = health["models"]["tiny"]
+    assert gauges["kv_pool_sequences"] == 4 and 0 < stepper.pool.size <= 4  # the pool's sessions, reused
     assert {k: gauges[k] for k in ("queue_depth", "active_sequences", "kv_bytes_in_use")} == \
         {"queue_depth": 0, "active_sequences": 0, "kv_bytes_in_use": 0}
     assert 0 < gauges["prefix_cache_bytes"] <= Limits().prefix_cache_bytes  # kept for later prefixes, bounded

@@ -1,7 +1,7 @@
 """What no client may do to the server: malformed and hostile bodies (never a 500, and the
 server keeps answering), the key, CORS, the body limit, a full queue (429 + Retry-After), the
 time limit, and clients that leave mid-stream or while they wait (their sequence is cancelled
-at the next step and its session closed)."""
+at the next step and its session goes back to the KV pool)."""
 
 import json
 import threading
@@ -148,9 +148,15 @@ def gauges(client, name="paced") -> dict:
     return client.get("/health").json()["models"][name]
 
 
+def released(runner, name: str, session) -> bool:
+    """The session is closed, or back in its model's KV pool (free for the next request)."""
+    pool = runner.config.app.state.host.schedulers[name].stepper.pool
+    return session.closed or session not in pool.in_use
+
+
 def test_a_full_queue_is_a_429_with_retry_after(tiny_gguf):
     model = paced_model("one two three", pace_s=30)
-    config = ServerConfig(models=(ModelSpec("paced", lambda: model),), limits=Limits(max_queue=1))
+    config = ServerConfig(models=(ModelSpec("paced", lambda: model),), limits=Limits(max_queue=1, max_sequences=1))
     results = {}
 
     def ask(key, stream):
@@ -179,7 +185,7 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_gguf):
 def test_the_time_limit_ends_a_request_with_a_504_or_an_error_chunk(tiny_gguf):
     slow = paced_model(COUNTING, pace_s=0.01)  # 400 tokens: 4 s, past the 0.5 s limit
     config = ServerConfig(models=(ModelSpec("slow", lambda: slow),), limits=Limits(time_limit_s=0.5))
-    with live_server(config) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+    with live_server(config) as (url, runner), httpx.Client(base_url=url, timeout=60) as client:
         whole = client.post(CHAT, json={"model": "slow", "messages": USER})
         assert whole.status_code == 504 and whole.json()["error"]["code"] == "timeout"
         with client.stream("POST", CHAT, json={"model": "slow", "messages": USER, "stream": True}) as response:
@@ -187,7 +193,7 @@ def test_the_time_limit_ends_a_request_with_a_504_or_an_error_chunk(tiny_gguf):
             lines = [line for line in response.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "timeout"
-        assert slow.gpu.steps < 300 and all(s.closed for s in slow.gpu.sessions)
+        assert slow.gpu.steps < 300 and all(released(runner, "slow", s) for s in slow.gpu.sessions)
         metrics = client.get("/metrics").text
         assert 'needle_wgpu_requests_total{model="slow",endpoint="chat",outcome="timeout"} 2' in metrics
 
@@ -195,7 +201,7 @@ def test_the_time_limit_ends_a_request_with_a_504_or_an_error_chunk(tiny_gguf):
 def test_a_client_that_leaves_mid_stream_cancels_its_sequence_at_the_next_step(tiny_gguf):
     model = paced_model(COUNTING, pace_s=30)
     config = ServerConfig(models=(ModelSpec("paced", lambda: model),))
-    with live_server(config) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+    with live_server(config) as (url, runner), httpx.Client(base_url=url, timeout=60) as client:
         with client.stream("POST", CHAT, json={"model": "paced", "messages": USER, "stream": True}) as response:
             lines = response.iter_lines()
             contents = []
@@ -215,13 +221,14 @@ def test_a_client_that_leaves_mid_stream_cancels_its_sequence_at_the_next_step(t
             return client.get("/metrics").text.count(f'outcome="cancelled"}} {count}') == 1
 
         wait_until(lambda: cancelled(1), what="the cancellation")
-        wait_until(lambda: session.closed, what="the session closing")
+        wait_until(lambda: released(runner, "paced", session), what="the session going back to the pool")
         assert model.gpu.steps < 20 and gauges(client)["active_sequences"] == 0
         # A client that leaves while its whole (not streamed) answer is computed: cancelled too.
         with pytest.raises(httpx.ReadTimeout):
             client.post(CHAT, json={"model": "paced", "messages": USER}, timeout=0.5)
         wait_until(lambda: cancelled(2), what="the second cancellation")
-        assert all(s.closed for s in model.gpu.sessions) and gauges(client)["active_sequences"] == 0
+        assert all(released(runner, "paced", s) for s in model.gpu.sessions)
+        assert gauges(client)["active_sequences"] == 0
         model.gpu.gate.release(1000)
         again = client.post(CHAT, json={"model": "paced", "messages": USER, "max_tokens": 3})
         content = again.json()["choices"][0]["message"]["content"]

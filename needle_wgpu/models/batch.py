@@ -1,0 +1,208 @@
+"""Decode steps of several sessions of one model in one plan and one submit (continuous
+batching).
+
+The weight matmuls run once over the batch's rows; what belongs to one sequence runs per row,
+from that session's own state: its token and position (the embedding gather reads its
+``tokens`` at its ``step_uniform``), its K/V cache (qk_rope and attention), and its sampler
+(its sampling values, seed, penalties over its own ids, its mask, its ``tokens`` and
+``result``). Every op a row goes through computes that row with a solo decode step's
+arithmetic (the matmuls keep the per-position GEMV; the per-sequence ops run at T = 1), so a
+sequence's ids are the same in any batch as alone (``tests/gpu/test_batch.py``).
+
+A family provides ``GpuModel.batch(rows)``: a ``DecodeBatch`` subclass that builds three kinds
+of pieces (lists of dispatches), each once: ``_shared(B, ...)`` the rows' common work for a
+batch of B (its ``attend`` callback marks where each layer's per-sequence work goes),
+``_row(session, b)`` what row b does as that session (before the layers, then per layer), and
+``_sample(...)`` its sampler. A composition (``BatchKey``) is these pieces put in order, so a
+sequence that joins or leaves costs no new pipeline or bind group once its pieces exist; the
+assembled plans are cached too (bounded, least recently used out).
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from dataclasses import dataclass
+
+from ..errors import ContextFullError, InputError
+from ..gpu.device import Device, Plan, UniformArena, recording
+from ..logprobs import row_values, token_logprob
+from .session import ChunkedSession, session_sampling
+
+MAX_CACHED_PLANS = 32
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One row of a batched step: the session it advances, its sampling (baked into the plan,
+    as a solo step's) and whether its sampler reads the session's mask."""
+
+    session: ChunkedSession
+    sampling: object
+    masked: bool = False
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    rows: tuple  # of BatchRow, in row order
+
+
+@dataclass
+class StepRequest:
+    """What one sequence asks of a batched step: ``ChunkedSession.step``'s arguments."""
+
+    session: ChunkedSession
+    sampling: object
+    mask: bytes | None = None
+    top_logprobs: int | None = None
+
+
+class DecodeBatch:
+    """Scratch rows for up to ``capacity`` sequences and the cached batched plans. A family's
+    subclass sets ``device``, ``capacity``, ``logit_rows`` and ``logits`` (f32
+    [capacity][logit_rows]), calls ``_start`` and builds the pieces (``_shared``, ``_row``,
+    ``_sample``; ``_layers``: how many layers have per-row work)."""
+
+    device: Device
+    capacity: int
+    logit_rows: int
+    logits: object
+
+    def _start(self) -> None:
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._owned: list = []
+        with recording(self._owned):
+            self.results = self.device.buffer(16 * self.capacity, label="batch_results", kind="session")
+            self._arena = UniformArena(self.device, capacity=1 << 16, label="uniforms.batch_rows")  # rows, samplers
+        self._shared_pieces: dict = {}  # B -> (dispatches, where each layer's per-row work goes, their arena)
+        self._rows: dict = {}  # (session, row) -> [what comes before the layers, then one list per layer]
+        self._samplers: dict = {}  # (session, row, sampling, masked) -> the sampler's dispatches
+        self.plans_built = 0
+
+    # ---------------------------------------------------------------- a family's pieces
+    def _shared(self, plan: Plan, arena: UniformArena, B: int, attend) -> None:
+        """Add the common work of B rows to ``plan``; call ``attend(plan, arena, layer, ...)``
+        where each layer's per-row work goes (it records the place)."""
+        raise NotImplementedError
+
+    def _row(self, plan: Plan, arena: UniformArena, session, b: int, layer: int | None) -> None:
+        """Add what row ``b`` does as ``session``: before the layers (``layer`` None), or in
+        ``layer`` (the shared pieces of some B were built first)."""
+        raise NotImplementedError
+
+    def _sample(self, plan: Plan, arena: UniformArena, row: BatchRow, b: int) -> None:
+        raise NotImplementedError
+
+    def _layers(self) -> int:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- assembly
+    def _build(self, key: BatchKey) -> Plan:
+        B = len(key.rows)
+        shared, marks = self._shared_for(B)
+        rows = [self._row_pieces(row.session, b) for b, row in enumerate(key.rows)]
+        dispatches = [d for row in rows for d in row[0]]
+        start = 0
+        for layer, mark in enumerate(marks):
+            dispatches += shared[start:mark]
+            for row in rows:
+                dispatches += row[1 + layer]
+            start = mark
+        dispatches += shared[start:]
+        for b, row in enumerate(key.rows):
+            dispatches += self._sampler_pieces(row, b)
+        plan = Plan(self.device, f"batch B={B}")
+        plan.dispatches = dispatches
+        return plan
+
+    def _shared_for(self, B: int) -> tuple:
+        held = self._shared_pieces.get(B)
+        if held is None:
+            arena = UniformArena(self.device, capacity=1 << 16, label=f"uniforms.batch{B}")
+            plan, marks = Plan(self.device, f"batch B={B} shared"), []
+
+            def attend(plan: Plan, arena: UniformArena, layer: int, *extra) -> None:
+                marks.append(len(plan.dispatches))
+
+            with recording(self._owned):
+                self._shared(plan, arena, B, attend)
+            held = self._shared_pieces[B] = (plan.dispatches, marks, arena)
+        return held[0], held[1]
+
+    def _row_pieces(self, session, b: int) -> list:
+        held = self._rows.get((session, b))
+        if held is None:
+            held = []
+            for layer in (None, *range(self._layers())):
+                plan = Plan(self.device, f"batch row {b}")
+                with recording(self._owned):
+                    self._row(plan, self._arena, session, b, layer)
+                held.append(plan.dispatches)
+            self._rows[(session, b)] = held
+        return held
+
+    def _sampler_pieces(self, row: BatchRow, b: int) -> list:
+        key = (row.session, b, row.sampling, row.masked)
+        held = self._samplers.get(key)
+        if held is None:
+            plan = Plan(self.device, f"batch sampler {b}")
+            with recording(self._owned):
+                self._sample(plan, self._arena, row, b)
+            held = self._samplers[key] = plan.dispatches
+        return held
+
+    def _plan(self, key: BatchKey) -> Plan:
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = self._build(key)
+            self.plans_built += 1
+        self._plans[key] = plan
+        while len(self._plans) > MAX_CACHED_PLANS:
+            self._plans.popitem(last=False)  # its arena goes with it
+        return plan
+
+    def forget(self, session: ChunkedSession) -> None:
+        """Drop the plans and pieces that bind ``session``'s buffers (before it is closed)."""
+        for key in [key for key in self._plans if any(row.session is session for row in key.rows)]:
+            del self._plans[key]
+        for cache in (self._rows, self._samplers):
+            for key in [key for key in cache if key[0] is session]:
+                del cache[key]
+
+    def step(self, requests: list) -> list:
+        """One decode step of every request's session (``StepRequest``s, distinct sessions of this
+        batch's model): one submit, one readback of the sampled ids. Returns per request what
+        ``session.step`` returns: the id, or (id, ``TokenLogprob``) with ``top_logprobs``."""
+        if not 0 < len(requests) <= self.capacity:
+            raise InputError(f"a batched step takes 1 to {self.capacity} sequences, not {len(requests)}")
+        if len({id(r.session) for r in requests}) != len(requests):
+            raise InputError("a batched step advances each session once")
+        dev, rows = self.device, []
+        for request in requests:
+            session = request.session
+            session._check()
+            if session.position >= session.context:
+                raise ContextFullError(f"context of {session.context} positions is full")
+            sampling = session_sampling(request.sampling, self.logit_rows, required=True)
+            masked = session._write_mask(request.mask)
+            dev.write(session.step_uniform, struct.pack("<4I", session.position, 0, 0, 0))
+            rows.append(BatchRow(session, sampling, masked))
+        plan = self._plan(BatchKey(tuple(rows)))
+        dev.run(plan, copies=[(r.session.result, 0, self.results, 16 * b, 16) for b, r in enumerate(rows)])
+        ids = struct.unpack(f"<{4 * len(rows)}I", dev.read(self.results, 16 * len(rows)))[::4]
+        out = []
+        for b, (request, token) in enumerate(zip(requests, ids)):
+            request.session.position += 1
+            if request.top_logprobs is None:
+                out.append(token)
+                continue
+            values = row_values(dev.read(self.logits, 4 * self.logit_rows, 4 * b * self.logit_rows),
+                                self.logit_rows, request.mask)
+            out.append((token, token_logprob(values, token, request.top_logprobs)))
+        return out
+
+    def close(self) -> None:
+        for cache in (self._plans, self._shared_pieces, self._rows, self._samplers):
+            cache.clear()
+        self.device.free(self._owned)
+        self._owned.clear()

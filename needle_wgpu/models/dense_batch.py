@@ -1,0 +1,94 @@
+"""The dense family's batched decode step (``models/batch.py``): ``build_layers`` over B rows,
+with each row's embedding gather, qk_rope, attention and sampler run on its own session.
+
+Per layer: the norms, q/k/v, Wo and the FFN once over the B rows (q_matmul's GEMV over B
+positions: each row summed exactly as a solo step sums it), then per row qk_rope (its q/k/v
+row, its position, its cache) and attention over its own cache into its attention-output row.
+"""
+
+from __future__ import annotations
+
+from ..gpu.device import Binding, Plan, UniformArena, recording
+from ..kernels import attention as attention_ops
+from ..kernels import moe as moe_ops
+from ..kernels import qmatmul
+from ..kernels import sample as sample_ops
+from .batch import DecodeBatch
+from ..errors import UnsupportedModelError
+from .dense_layers import build_layers, embedding_scale, head, qkv_width
+
+F32 = 4
+ROW_ALIGN = 64  # floats: a row bound on its own starts on a 256-byte boundary (WebGPU's largest
+#              minStorageBufferOffsetAlignment)
+
+
+class DenseBatch(DecodeBatch):
+    """Scratch rows for ``capacity`` sequences of one ``DenseGpu``."""
+
+    def __init__(self, model, capacity: int):
+        g = model.geometry
+        if g.conv_layers:  # each row would need its own convolution ring: such sessions step one by one
+            raise UnsupportedModelError(f"{g.arch}: the batched step has no convolution blocks (lfm2)")
+        self.model, self.device, self.capacity = model, model.device, capacity
+        self.logit_rows = g.head_rows
+        self._start()
+        dev, B = self.device, capacity
+        routed = max(1, g.num_experts_used)
+        self.o_stride = -(-g.attn_out // ROW_ALIGN) * ROW_ALIGN
+
+        def s(width, label):
+            return dev.buffer(F32 * B * width, label=f"batch_{label}", kind="scratch")
+
+        with recording(self._owned):
+            self.x = s(g.d_model, "residual")
+            self.h = s(g.d_model, "normed")
+            self.qkv = s(qkv_width(g), "qkv")
+            self.q = dev.buffer(F32 * g.q_dim, label="batch_q", kind="scratch")  # one row: used row by row
+            self.o = s(self.o_stride, "attention")
+            self.branch = s(g.d_model, "branch")
+            self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
+            self.act = s(g.ff_dim * routed, "act")
+            if g.is_moe:
+                self.router_logits = s(g.num_experts, "router_logits")
+                self.routes = dev.buffer(moe_ops.routes_bytes(B, routed), label="batch_routes", kind="scratch")
+            self.logits = s(g.head_rows, "logits")
+        self._vectors: dict = {}  # layer -> its qk_rope vectors (norm weights, biases), found by _shared
+
+    def _layers(self) -> int:
+        return self.model.geometry.num_layers
+
+    def _shared(self, plan: Plan, arena: UniformArena, B: int, attend) -> None:
+        m = self.model
+
+        def mark(plan: Plan, arena: UniformArena, layer: int, vectors: dict) -> None:
+            self._vectors[layer] = vectors
+            attend(plan, arena, layer)
+
+        build_layers(plan, arena, m, self, B, mark, gemm=False)
+        head(plan, arena, m, self, B, B, gemm=False)
+
+    def _row(self, plan: Plan, arena: UniformArena, session, b: int, layer: int | None) -> None:
+        m, g = self.model, self.model.geometry
+        step = Binding(session.step_uniform)
+        if layer is None:
+            qmatmul.get_rows(plan, arena, m.embedding, session.tokens, self.x, step=step, positions=1,
+                             scale=embedding_scale(g), out_stride=g.d_model,
+                             out_offset=b * g.d_model)
+            return
+        width = qkv_width(g)
+        at = b * width
+        shape, cache, vectors = session.shapes[layer], session.caches[layer], self._vectors[layer]
+        attention_ops.qk_rope(plan, arena, step, shape=shape, qkv=self.qkv, q_out=self.q, cache=cache,
+                              positions=1, vectors=m.vector_buffer if vectors else None, qkv_stride=width,
+                              q_offset=at, k_offset=at + g.q_dim, v_offset=at + g.q_dim + g.k_dim,
+                              label=f"qk_rope {layer}.{b}", **vectors)
+        o_row = Binding(self.o, F32 * b * self.o_stride, F32 * g.attn_out)
+        attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=cache, o=o_row, positions=1,
+                                partials=session.partials, label=f"attention {layer}.{b}")
+
+    def _sample(self, plan: Plan, arena: UniformArena, row, b: int) -> None:
+        session, g = row.session, self.model.geometry
+        sample_ops.sample(plan, arena, Binding(session.step_uniform), logits=self.logits,
+                          logits_offset=b * g.head_rows, rows=g.head_rows, tokens=session.tokens,
+                          result=session.result, context=session.context, positions=1, sampling=row.sampling,
+                          mask=session.mask if row.masked else None)

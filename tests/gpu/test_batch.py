@@ -1,0 +1,179 @@
+"""Batched decode steps (models/batch.py): every sequence's ids in a batch are the ids it gets
+alone, whoever else is in the batch, whenever it joins, and on a reused session."""
+
+import pytest
+
+from needle_wgpu.errors import ContextFullError, InputError
+from needle_wgpu.models.batch import StepRequest
+from needle_wgpu.sampling import Sampling
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 10
+REQUESTS = [  # prompt, sampling, decode steps, the batch step at which it joins
+    ([1, 5, 9, 13], Sampling(), STEPS, 0),
+    ([2, 7, 7, 7, 7, 7, 30, 31, 32], Sampling.saturate(temperature=0.8, seed=5), 4, 0),
+    ([3], Sampling.saturate(temperature=1.0, top_k=5, top_p=0.9, seed=9), STEPS, 2),
+    ([40, 41, 42, 43, 44, 45], Sampling.saturate(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={68: 3.0}),
+     STEPS, 5),
+    ([50, 51] * 20, Sampling.saturate(temperature=0.7, min_p=0.05, seed=11), 6, 5),
+]
+CONTEXT = 64
+
+
+def alone(gpu, prompt, sampling, steps, **extra):
+    session = gpu.session(context=CONTEXT)
+    try:
+        out = [session.prefill(prompt, sampling, **extra)]
+        out += [session.step(sampling, **extra) for _ in range(steps)]
+        return out
+    finally:
+        session.close()
+
+
+def batched(gpu, requests, capacity, **extra):
+    """Run ``requests`` through one batch of ``capacity`` rows and a pool of ``capacity``
+    sessions: each joins at its step (prefilled between steps), leaves when done, and its session
+    is rewound and reused by the next to join."""
+    batch = gpu.batch(capacity)
+    free = [gpu.session(context=CONTEXT) for _ in range(capacity)]
+    pool = list(free)
+    active, out, t = {}, {}, 0
+    waiting = sorted(range(len(requests)), key=lambda i: requests[i][3])
+    try:
+        while waiting or active:
+            while waiting and requests[waiting[0]][3] <= t and free:
+                i = waiting.pop(0)
+                prompt, sampling = requests[i][:2]
+                session = free.pop()
+                if session.rewindable:
+                    session.rewind(0)
+                else:  # a ring (sliding window) cannot go back to 0: a fresh session, as the pool does
+                    pool.remove(session)
+                    session.close()
+                    session = gpu.session(context=CONTEXT)
+                    pool.append(session)
+                active[i] = session
+                out[i] = [session.prefill(prompt, sampling, **extra)]
+            rows = sorted(active)
+            ids = batch.step([StepRequest(active[i], requests[i][1], **extra) for i in rows])
+            for i, token in zip(rows, ids):
+                out[i].append(token)
+                if len(out[i]) == requests[i][2] + 1:
+                    free.append(active.pop(i))
+            t += 1
+        return [out[i] for i in range(len(requests))], batch.plans_built
+    finally:
+        batch.close()
+        for session in pool:
+            session.close()
+
+
+@pytest.mark.parametrize("capacity", [2, 4])
+def test_batched_ids_are_the_ids_alone(synthetic_llama, capacity):
+    gpu = synthetic_llama.gpu
+    expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in REQUESTS]
+    got, built = batched(gpu, REQUESTS, capacity)
+    assert got == expected
+    assert built >= 2  # the composition changed as sequences joined and left
+
+
+def test_batched_logprobs_and_masks_are_those_alone(synthetic_llama):
+    gpu = synthetic_llama.gpu
+    rows = gpu.geometry.head_rows
+    allowed = bytearray(4 * (-(-rows // 32)))
+    for token in (4, 9, 68, 100, 106):
+        allowed[token // 8] |= 1 << (token % 8)
+    extra = {"mask": bytes(allowed), "top_logprobs": 3}
+    requests = [(prompt, sampling, 4, join) for prompt, sampling, _, join in REQUESTS[:3]]
+    expected = [alone(gpu, prompt, sampling, steps, **extra) for prompt, sampling, steps, _ in requests]
+    got, _ = batched(gpu, requests, 3, **extra)
+    assert [[token for token, _ in ids] for ids in got] == [[token for token, _ in ids] for ids in expected]
+    assert [[lp.as_dict() for _, lp in ids] for ids in got] == [[lp.as_dict() for _, lp in ids] for ids in expected]
+    assert all(token in (4, 9, 68, 100, 106) for ids in got for token, _ in ids)
+
+
+def test_batch_refusals(synthetic_llama):
+    gpu = synthetic_llama.gpu
+    batch = gpu.batch(2)
+    sessions = [gpu.session(context=4) for _ in range(3)]
+    try:
+        for session in sessions:
+            session.prefill([1, 2, 3], Sampling())
+        with pytest.raises(InputError):
+            batch.step([StepRequest(s, Sampling()) for s in sessions])  # more rows than the batch has
+        with pytest.raises(InputError):
+            batch.step([StepRequest(sessions[0], Sampling())] * 2)  # one session twice
+        with pytest.raises(InputError):
+            batch.step([])
+        assert len(batch.step([StepRequest(sessions[0], Sampling())])) == 1
+        with pytest.raises(ContextFullError):  # 4 positions: the prompt's 3 and one step
+            batch.step([StepRequest(sessions[0], Sampling()), StepRequest(sessions[1], Sampling())])
+        assert sessions[1].position == 3  # a refused step advanced nobody
+    finally:
+        batch.close()
+        for session in sessions:
+            session.close()
+
+
+NEEDLE3_REQUESTS = [
+    ([1, 5, 9, 13], Sampling(), STEPS, 0),
+    ([2, 7, 7, 7, 7, 7, 30, 31, 32], Sampling.saturate(temperature=0.8, seed=5), 4, 0),
+    ([3, 4], Sampling.saturate(temperature=1.0, top_k=5, top_p=0.9, seed=9), STEPS, 2),
+    ([40, 41, 42, 43, 44, 45], Sampling.saturate(repetition_penalty=1.3, logit_bias={68: 3.0}), STEPS, 5),
+]
+
+
+@pytest.mark.parametrize("capacity", [2, 3])
+def test_needle3_batched_ids_are_the_ids_alone(needle3_tiny, capacity):
+    gpu = needle3_tiny.gpu
+    expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in NEEDLE3_REQUESTS]
+    got, built = batched(gpu, NEEDLE3_REQUESTS, capacity)
+    assert got == expected
+    assert built >= 2
+
+
+def test_smollm2_batched_ids_are_the_ids_alone(smollm2):
+    """The real default model: greedy and seeded requests, joining at different steps."""
+    gpu = smollm2.gpu
+    requests = [(ids, sampling, 4, join) for ids, sampling, _, join in REQUESTS[:3]]
+    expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in requests]
+    got, _ = batched(gpu, requests, 3)
+    assert got == expected
+
+
+ARCHS = ["qwen2", "qwen3moe", "olmoe", "gemma3", "smollm3", "granite", "olmo2", "gemma2", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory, device):
+    import needle_wgpu
+    from needle_wgpu.synth_gguf import write_dense_gguf
+    from test_dense_reference import SYNTH
+
+    root = tmp_path_factory.mktemp("batch_archs")
+    return lambda arch: needle_wgpu.load(str(write_dense_gguf(root / f"{arch}.gguf", SYNTH[arch][0],
+                                                              tokenizer="bytes")), device=device)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_batches_to_its_ids_alone(arch_models, arch):
+    """The rules each architecture adds (MoE routes, sliding windows, multipliers, post-norms,
+    soft caps, unrotated layers, fused projections) hold row by row in a batch."""
+    gpu = arch_models(arch).gpu
+    assert gpu.capabilities.batch
+    requests = [(prompt, sampling, 4, join) for prompt, sampling, _, join in REQUESTS[:4]]
+    expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in requests]
+    got, _ = batched(gpu, requests, 3)
+    assert got == expected
+
+
+def test_convolution_blocks_step_one_by_one(arch_models):
+    """lfm2's sessions keep a convolution ring each: the model declares no batched step, and
+    asking for one anyway is refused by name (the server then steps its sessions in turn)."""
+    from needle_wgpu.errors import UnsupportedModelError
+
+    gpu = arch_models("lfm2").gpu
+    assert not gpu.capabilities.batch
+    with pytest.raises(UnsupportedModelError, match="lfm2"):
+        gpu.batch(2)

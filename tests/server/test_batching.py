@@ -1,0 +1,85 @@
+"""Requests decoded together (server/batching.py) keep every feature of the one generation loop:
+a JSON-schema reply, logprobs, a stop string, a token budget, a seeded and a penalised request,
+tools, a raw completion and a Needle 3 request all answer exactly as they do alone, while a
+client that leaves mid-stream ends its own sequence and nobody else's."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from .conftest import live_server, models, run_async, wait_until  # noqa: E402
+from needle_wgpu.server import Limits, ServerConfig  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+          "required": ["city", "population"]}
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+USER = [{"role": "user", "content": "Tell me about cities."}]
+CHATS = [
+    {"model": "tiny", "messages": USER, "max_tokens": 40, "temperature": 0,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}},
+    {"model": "tiny", "messages": USER, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+    {"model": "tiny", "messages": USER, "max_tokens": 24, "temperature": 0.9, "seed": 7, "stop": ["e"]},
+    {"model": "tiny", "messages": USER, "max_tokens": 9, "temperature": 0.7, "seed": 3, "frequency_penalty": 1.5,
+     "logit_bias": {"70": 4}},
+    {"model": "tiny", "messages": USER, "max_tokens": 24, "temperature": 0, "tools": WEATHER,
+     "tool_choice": "required"},
+    {"model": "needle", "messages": USER, "max_tokens": 12, "temperature": 0.8, "seed": 5},
+]
+COMPLETION = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+
+
+def answer_of(response) -> tuple:
+    choice = response.choices[0]
+    if hasattr(choice, "message"):
+        message = choice.message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+        logprobs = [(e.token, e.logprob) for e in choice.logprobs.content] if choice.logprobs else None
+        return message.content, calls, choice.finish_reason, logprobs
+    return choice.text, choice.finish_reason
+
+
+def test_features_of_concurrent_requests_are_those_alone_and_a_leaver_leaves_alone(tiny_gguf):
+    config = ServerConfig(models=models(tiny_gguf), limits=Limits(max_sequences=8, prefix_cache_bytes=0))
+    with live_server(config) as (url, runner):
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            alone = [answer_of(client.chat.completions.create(**body)) for body in CHATS]
+            alone.append(answer_of(client.completions.create(**COMPLETION)))
+        stepper = runner.config.app.state.host.schedulers["tiny"].stepper
+        before = (stepper.steps, stepper.rows)
+
+        async def together():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+                async def leaver():  # streams a long reply and leaves after three chunks
+                    stream = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=400,
+                                                             temperature=0, stream=True)
+                    seen = 0
+                    async for _ in stream:
+                        seen += 1
+                        if seen == 3:
+                            break
+                    await stream.close()
+                    return seen
+
+                answers = await asyncio.gather(*[c.chat.completions.create(**body) for body in CHATS],
+                                               c.completions.create(**COMPLETION), leaver())
+                return [answer_of(a) for a in answers[:-1]], answers[-1]
+
+        got, left_after = run_async(together(), 300)
+        assert got == alone
+        assert left_after == 3
+        steps, rows = stepper.steps - before[0], stepper.rows - before[1]
+        assert rows > steps  # the requests shared decode steps
+        wait_until(lambda: 'endpoint="chat",outcome="cancelled"} 1' in httpx.get(url + "/metrics").text,
+                   what="the leaving client's request cancelled")
+        wait_until(lambda: httpx.get(url + "/health").json()["models"]["tiny"]["active_sequences"] == 0,
+                   what="every sequence gone")
+    assert json.loads(got[0][0]).keys() == {"city", "population"}
+    assert len(got[1][3]) == 6  # the logprobs request kept its logprobs
