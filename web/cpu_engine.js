@@ -9,6 +9,9 @@ const BUILD = "__BUILD_ID__";
 const CACHE_NAME = "needle-wgpu-models-v1";  // shared with worker.js: a model downloaded once serves both
 const CONTEXT = 4096;                        // llama.cpp's KV cache, as the WebGPU page's session
 const GGUF_MAGIC = "GGUF";
+// Prompt positions per llama.cpp batch: wllama reads Stop between batches, and one thread reads
+// about 20 positions a second of SmolLM2 here, so a batch takes under 2 s.
+const PROMPT_BATCH = 32;
 
 class UserError extends Error {}
 
@@ -122,8 +125,10 @@ export class CpuEngine {
     instance.setCompat(null);  // never the CDN: everything the page runs comes from this site
     try {
       // n_gpu_layers 0: llama.cpp's own WebGPU back end is not used (on a software adapter it is
-      // what this engine avoids); one thread, as the page is not cross-origin isolated.
-      await instance.loadModel([model.blob], { n_gpu_layers: 0, n_ctx: CONTEXT, n_threads: 1 });
+      // what this engine avoids); one thread, as the page is not cross-origin isolated; batches
+      // of PROMPT_BATCH positions, so a Stop during a long prompt waits for one batch at most.
+      await instance.loadModel([model.blob], { n_gpu_layers: 0, n_ctx: CONTEXT, n_threads: 1,
+                                               n_batch: PROMPT_BATCH, n_ubatch: PROMPT_BATCH });
     } catch (error) {
       instance.exit().catch(() => {});
       throw new UserError(`${model.name}: llama.cpp could not load this GGUF file ` +
@@ -133,6 +138,8 @@ export class CpuEngine {
     // leaves the loaded model in place, as on WebGPU.
     await this.unload();
     this.wllama = instance;
+    this.spec = spec;
+    this.broken = false;
     this.chat = { id: null, turns: 0 };
     let cachedNow = false;
     if (model.cacheKey && typeof caches !== "undefined") {
@@ -197,6 +204,7 @@ export class CpuEngine {
     try {
       return { ok: true, result: await this.run(payload, settings) };
     } catch (error) {
+      if (!(error instanceof UserError)) this.broken = true;  // the next request starts llama.cpp again
       return this.failed(error, "the request");
     } finally {
       this.abort = null;
@@ -204,6 +212,10 @@ export class CpuEngine {
   }
 
   async run(payload, settings) {
+    if (this.broken && this.spec) {  // llama.cpp failed in the last request: a fresh instance
+      this.progress("upload", "Recovering: loading the model into llama.cpp again");
+      await this.loadModel(this.spec);
+    }
     if (!this.wllama) throw new UserError("no model is loaded yet: load the bundled model, a file or a URL first");
     if (payload.mode !== "prompt" && payload.mode !== "chat") {
       throw new UserError("the CPU engine runs chats and free prompts (tool calls are a Needle 3 form, on WebGPU)");

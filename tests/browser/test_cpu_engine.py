@@ -17,7 +17,7 @@ import pytest
 
 import needle_wgpu
 
-from .pages import BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, generate, load_file
+from .pages import BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, fill_form, generate, load_file
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -126,6 +126,26 @@ def test_stop_ends_a_long_reply_within_a_token(cpu_page):
                                                                  "queued": False, "engine": "cpu"}
     after = chat_turn(cpu_page, "Thanks.", max_tokens=2)  # the engine serves the next request
     assert after["tokens"] == 2
+
+
+def test_stop_during_a_long_prompt_ends_within_a_batch(cpu_page):
+    """llama.cpp reads a prompt in batches of 32 positions and wllama reads Stop between them:
+    Stop two seconds into a long paste ends the request within two batches, and the engine
+    serves the next one."""
+    cpu_page.click("#tab-prompt")
+    fill_form(cpu_page, mode="prompt", max_tokens=4)
+    cpu_page.fill("#prompt-input", "The quick brown fox jumps over the lazy dog. " * 150)  # about 1,500 tokens
+    cpu_page.evaluate("() => { window.needle.lastResult = null; }")
+    cpu_page.click("#generate-button")
+    cpu_page.wait_for_timeout(2000)
+    clicked = cpu_page.evaluate("() => { document.querySelector('#stop-button').click(); return performance.now(); }")
+    cpu_page.wait_for_function("() => window.needle.lastResult !== null")
+    ended = cpu_page.evaluate("() => performance.now()")
+    result = cpu_page.evaluate("() => window.needle.lastResult")["result"]
+    assert result["finishReason"] == "stopped" and result["tokens"] == 0
+    assert (ended - clicked) / 1000 < 4, (ended - clicked) / 1000  # two batches (1.2 s measured)
+    reply = generate(cpu_page, prompt=PROMPT, max_tokens=2)
+    assert reply["ok"] and reply["result"]["tokens"] == 2
 
 
 def test_files_it_cannot_run_are_refused_and_the_model_kept(cpu_page, tmp_path):
