@@ -778,6 +778,7 @@ def info() -> dict:
             "counters": vars(device.counters) if device is not None else None,
             # Which kernel shapes were compiled: q_matmul_rows / cq_matmul_rows on a CPU adapter (§8).
             "kernels": sorted({key.family for key in device._pipelines}) if device is not None else [],
+            "pipelines": device.pipeline_count if device is not None else 0,
             "chat": _chat_summary()}
 
 

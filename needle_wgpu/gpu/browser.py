@@ -304,6 +304,18 @@ class BrowserDevice(Device):
     def _destroy_buffer(self, handle):
         handle.destroy()
 
+    def free(self, buffers) -> int:
+        released = super().free(buffers)
+        if released and not self.lost_reason:
+            # Dawn holds a destroyed buffer's memory while queue writes to it wait for the next
+            # submit: a session that wrote its uniforms but never ran (a request with no room)
+            # would leave its memory behind until then. An empty submit lets it go now.
+            try:
+                self._device.queue.submit(self._js.Array.new())
+            except Exception:  # a lost device has released everything already
+                pass
+        return released
+
     def release_dropped(self) -> int:
         """Destroy the GPU memory of buffers Python no longer references, now rather than at some
         later JS garbage collection; returns how many. Only safe where no live bind group refers
