@@ -386,7 +386,10 @@ async function loadModel(spec) {
   let reply;
   if (engine === "cpu") {
     needle.loadRequests += 1;
-    reply = await (await cpuEngine()).load(spec);
+    reply = await cpuEngine().then((cpuEngine) => cpuEngine.load(spec), (error) => {
+      console.error("cpu engine:", error);
+      return { ok: false, error: { kind: "CpuEngineError", message: `the CPU engine could not start (${error.message})` } };
+    });
   } else {
     reply = await request("load", spec);
   }
@@ -777,6 +780,7 @@ async function generateOnCpu(payload) {
   } else {
     return { ok: false, error: { kind: "BootError", message: "the engine's worker is not running" } };
   }
+  if (!cpu) return { ok: false, error: { kind: "CpuEngineError", message: "the CPU engine has not started" } };
   return cpu.generate(payload, settings);
 }
 
