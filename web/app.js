@@ -43,6 +43,7 @@ let engine = "webgpu";
 let cpu = null;          // the CpuEngine, made on first use
 let gpuUsable = false;   // a WebGPU device opened
 let lastSpec = null;     // the model the page loaded last (an engine switch loads it again)
+let offerCpu = false;    // a software adapter: the notice's button offers the CPU engine
 const busy = () => phase !== "idle";
 
 // ---------------------------------------------------------------------------- worker plumbing
@@ -207,6 +208,7 @@ function updateButtons() {
     radio.disabled = busy() || (radio.value === "webgpu" && !gpuUsable);
   }
   ui.engineSwitch.disabled = busy();
+  ui.engineSwitch.hidden = !offerCpu || engine === "cpu";
   // The request form appears with a model; until then a note says why it is not there.
   ui.form.hidden = !modelLoaded;
   ui.requestWait.hidden = modelLoaded;
@@ -306,7 +308,7 @@ function showEngineNotice(device) {
   }
   ui.engineNoticeText.textContent = text;
   ui.engineNotice.hidden = !text;
-  ui.engineSwitch.hidden = !(gpuUsable && device.result.softwareRasterizer);
+  offerCpu = gpuUsable && device.result.softwareRasterizer;
   needle.engineNotice = text;
   describeBundled();
   updateButtons();

@@ -17,7 +17,8 @@ import pytest
 
 import needle_wgpu
 
-from .pages import BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, fill_form, generate, load_file
+from .pages import (BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, fill_form, generate, load_file,
+                    set_advanced)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -68,6 +69,7 @@ def test_a_software_adapter_is_named_with_its_speed_and_the_cpu_engine_offered(c
     assert model["engine"] == "cpu" and model["name"] == SMOLLM2.name and model["vocab"] == 49152
     assert model["layers"] == 30 and model["device"]["adapter"].startswith("CPU: llama.cpp (WebAssembly")
     assert cpu_page.is_checked('input[name="engine"][value="cpu"]')
+    assert cpu_page.is_visible("#engine-notice") and cpu_page.is_hidden("#engine-switch")  # done: no button
     # The bundled Needle 3 file is not a choice on the CPU engine; the chat form is the GGUF's.
     assert cpu_page.evaluate("() => [...document.querySelectorAll('#bundled-select option')]"
                              ".find(o => o.value.endsWith('.cact')).disabled")
@@ -101,6 +103,17 @@ def test_sampling_fields_saturate_by_the_engines_rules(cpu_page):
     assert settings["temperature"] == 0 and settings["top_k"] == 49152 and settings["top_p"] == 1
     assert settings["seed"] == 2**32 - 1 and settings["max_tokens"] == 3
     assert reply["result"]["tokens"] == 3
+    # The advanced options reach llama.cpp: a bias of -100 on " Paris" (id 7042, the greedy
+    # first token) gives another answer, and an entry that cannot apply is listed by the field.
+    set_advanced(cpu_page, logit_bias='{"7042": -100, "99999999": 5}')
+    try:
+        reply = generate(cpu_page, prompt=PROMPT, max_tokens=3)
+        assert reply["ok"] and reply["result"]["settings"]["logit_bias"] == {"7042": -100.0}, reply
+        assert not reply["result"]["text"].startswith(" Paris"), reply["result"]["text"]
+        assert "99999999: past the vocabulary (49,152 ids)" in cpu_page.text_content("#logit-bias-note")
+    finally:
+        set_advanced(cpu_page)
+        cpu_page.evaluate("() => { document.querySelector('#advanced-sampling').open = false; }")
 
 
 def test_a_chat_reuses_llama_cpps_prompt_cache(cpu_page):
