@@ -304,17 +304,9 @@ class BrowserDevice(Device):
     def _destroy_buffer(self, handle):
         handle.destroy()
 
-    def free(self, buffers) -> int:
-        released = super().free(buffers)
-        if released and not self.lost_reason:
-            # Dawn holds a destroyed buffer's memory while queue writes to it wait for the next
-            # submit: a session that wrote its uniforms but never ran (a request with no room)
-            # would leave its memory behind until then. An empty submit lets it go now.
-            try:
-                self._device.queue.submit(self._js.Array.new())
-            except Exception:  # a lost device has released everything already
-                pass
-        return released
+    def _submit_nothing(self):
+        if not self.lost_reason:
+            self._device.queue.submit(self._js.Array.new())
 
     def release_dropped(self) -> int:
         """Destroy the GPU memory of buffers Python no longer references, now rather than at some
