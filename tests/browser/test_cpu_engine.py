@@ -6,7 +6,8 @@ with the speed to expect, and its button moves the default model (SmolLM2) to th
 On the CPU engine SmolLM2 writes real text through the same forms: a free prompt whose greedy
 text is compared with the WebGPU engine's own (wgpu-py on lavapipe, the same file), a chat whose
 second turn reuses llama.cpp's prompt cache, sampling fields saturated by the engine's own rules,
-Stop within a token, and files it cannot run refused with the loaded model kept.
+Stop within a token (and within two prompt batches), 20 requests of each kind with the browser's
+memory flat, and files it cannot run refused with the loaded model kept.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 
 import needle_wgpu
 
-from .pages import (BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, fill_form, generate, load_file,
-                    set_advanced)
+from .pages import (BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, chromium_rss, fill_form, generate,
+                    load_file, set_advanced)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -159,6 +160,37 @@ def test_stop_during_a_long_prompt_ends_within_a_batch(cpu_page):
     assert (ended - clicked) / 1000 < 4, (ended - clicked) / 1000  # two batches (1.2 s measured)
     reply = generate(cpu_page, prompt=PROMPT, max_tokens=2)
     assert reply["ok"] and reply["result"]["tokens"] == 2
+
+
+def test_twenty_requests_of_every_kind_leave_memory_flat(cpu_page):
+    """20 free prompts, 20 new chats and 20 turns of one chat on the CPU engine, after one of
+    each: the browser's processes (the page's renderer holds wllama's WebAssembly heap) stay
+    within 32 MB of where they were."""
+    def turn(text, new_chat):
+        if new_chat:
+            cpu_page.click("#tab-chat")
+            cpu_page.click("#chat-reset")
+        return chat_turn(cpu_page, text, max_tokens=2)
+
+    kinds = {
+        "prompt": lambda i: generate(cpu_page, prompt=f"{PROMPT} {i}", max_tokens=2)["result"],
+        "new chat": lambda i: turn(f"Hello {i}!", True),
+        "one chat": lambda i: turn(f"And {i}?", i == 0),
+    }
+    for run in kinds.values():
+        assert run(0)["tokens"] >= 1
+    before = chromium_rss()
+    if before is None:
+        pytest.skip("reads the browser's memory from /proc")
+    after = {}
+    for kind, run in kinds.items():
+        for i in range(1, 21):
+            result = run(i)
+            assert result["tokens"] >= 1 and result["engine"] == "cpu", (kind, i, result)
+        after[kind] = chromium_rss()
+    print(f"browser processes: {before / 1e6:.0f} MB after one request of each kind, then after 20 more of "
+          "each: " + ", ".join(f"{kind} {value / 1e6:.0f} MB" for kind, value in after.items()))
+    assert max(after.values()) - before < 32e6, (before, after)
 
 
 def test_files_it_cannot_run_are_refused_and_the_model_kept(cpu_page, tmp_path):

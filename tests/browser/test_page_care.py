@@ -6,11 +6,9 @@ host's cost per token with the adapter's kind in the stats. On the bundled tiny 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from .pages import ensure_bundled, fill_form, generate, request, set_advanced
+from .pages import chromium_rss, ensure_bundled, fill_form, generate, request, set_advanced
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -20,43 +18,6 @@ def live_bytes(app) -> int:
 
 
 ROUNDS = 20  # requests of each kind
-
-
-def gpu_process_rss():
-    """Resident bytes of the GPU processes of the browsers this test process launched (their
-    Chromium ``--type=gpu-process`` children), read from /proc; None where there is none (not
-    Linux, or the GPU runs inside the browser process). SwiftShader keeps every GPU buffer in
-    that process's memory, so a leak of GPU buffers shows here."""
-    import os
-
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return None
-
-    def parent(pid: int) -> int:
-        try:
-            status = (proc / str(pid) / "status").read_text()
-        except OSError:
-            return 0
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-
-    total, found, me = 0, False, os.getpid()
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if b"--type=gpu-process" not in (entry / "cmdline").read_bytes():
-                continue
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        ancestor, depth = int(entry.name), 0
-        while ancestor > 1 and ancestor != me and depth < 8:
-            ancestor, depth = parent(ancestor), depth + 1
-        if ancestor == me:
-            found = True
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
-    return total if found else None
 
 
 def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
@@ -101,7 +62,7 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
         assert reply["ok"], (kind, reply)
     request(app, "chat_reset")  # the warm-up's chat: "one chat" starts its own below
     history.clear()
-    rss_before = gpu_process_rss()
+    rss_before = chromium_rss("gpu-process")
     rss = {}
     for kind, run in kinds.items():
         level = live_bytes(app)
@@ -116,7 +77,7 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
             assert live_bytes(app) == level, (kind, level, live_bytes(app))
         else:
             assert levels == [level] * ROUNDS, (kind, level, levels)
-        rss[kind] = gpu_process_rss()
+        rss[kind] = chromium_rss("gpu-process")
     if rss_before is not None and rss["one chat"] is not None:
         print(f"GPU process: {rss_before / 1e6:.0f} MB after one request of each kind, then after 20 more of each: " +
               ", ".join(f"{kind} {value / 1e6:.0f} MB" for kind, value in rss.items()))
