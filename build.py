@@ -3,9 +3,12 @@
     python build.py                 # build (or refresh) web/dist/
     python build.py --clean         # start from an empty web/dist/ (the caches under build/ stay)
     python build.py --serve 8000    # build, then serve http://127.0.0.1:8000/
+    python build.py --fetch         # only fetch the npm packages into build/ (setup.sh runs this)
 
 What goes in (web/README-section.md has the details):
   pyodide/           Pyodide core, pinned, from the npm registry (`npm pack`, cached in build/)
+  wllama/            llama.cpp compiled to WebAssembly (npm @wllama/wllama, pinned, `npm pack`, cached in
+                     build/): the page's CPU engine for GGUF files on software adapters or without WebGPU
   wheels/<hash>/     the needle_wgpu wheel (pure Python, shaders inside), rebuilt when a source changes
   wheels/deps/       jinja2 and MarkupSafe (pure-Python wheels, the desktop's installed versions):
                      they render a model's own chat template in the page
@@ -40,8 +43,12 @@ CACHE = ROOT / "build" / "web-cache"
 
 PYODIDE_VERSION = "314.0.7"
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")
-PAGE_FILES = ("index.html", "app.js", "worker.js", "style.css", "needle_worker.py")
-STAMPED = ("index.html", "app.js", "worker.js")  # files whose __BUILD_ID__ is replaced
+# llama.cpp in WebAssembly for the CPU engine: its ES module (the worker's code is inside) and the
+# one wasm build (single thread: the page is not cross-origin isolated), as the page names them.
+WLLAMA_VERSION = "3.8.1"
+WLLAMA_FILES = {"esm/index.js": "wllama.js", "esm/wasm/wllama.wasm": "wllama.wasm", "LICENCE": "LICENCE"}
+PAGE_FILES = ("index.html", "app.js", "worker.js", "cpu_engine.js", "style.css", "needle_worker.py")
+STAMPED = ("index.html", "app.js", "worker.js", "cpu_engine.js")  # files whose __BUILD_ID__ is replaced
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "needle_wgpu", "shaders")
 BUNDLED_MODEL = ("needle3-tiny.cact", "tiny", 0)  # file name, synth geometry, seed
 # The chat-template renderer's dependencies: (distribution, version when it is not installed here).
@@ -75,23 +82,25 @@ def copy_if_changed(source: Path, target: Path) -> None:
     shutil.copyfile(source, target)
 
 
-# ------------------------------------------------------------------------------------ pyodide
-def pyodide_package() -> Path:
-    """The unpacked npm package of the pinned Pyodide (npm pack once, then from build/)."""
-    unpacked = CACHE / f"pyodide-{PYODIDE_VERSION}" / "package"
-    if all((unpacked / name).exists() for name in PYODIDE_FILES):
+# ------------------------------------------------------------------------------------ npm
+def npm_package(name: str, version: str, files) -> Path:
+    """The unpacked npm package ``name@version`` (npm pack once, then from build/), checked to
+    hold ``files`` (paths inside the package)."""
+    stem = name.lstrip("@").replace("/", "-")
+    unpacked = CACHE / f"{stem}-{version}" / "package"
+    if all((unpacked / path).exists() for path in files):
         return unpacked
-    tarball = CACHE / f"pyodide-{PYODIDE_VERSION}.tgz"
+    tarball = CACHE / f"{stem}-{version}.tgz"
     if not tarball.exists():
-        log(f"npm pack pyodide@{PYODIDE_VERSION} (once; cached in {tarball.parent.relative_to(ROOT)})")
+        log(f"npm pack {name}@{version} (once; cached in {tarball.parent.relative_to(ROOT)})")
         CACHE.mkdir(parents=True, exist_ok=True)
         npm = shutil.which("npm")
         if npm is None:
-            sys.exit("build.py: npm is needed once to fetch Pyodide (apt-get install npm)")
-        result = subprocess.run([npm, "pack", f"pyodide@{PYODIDE_VERSION}", "--pack-destination", str(CACHE)],
+            sys.exit(f"build.py: npm is needed once to fetch {name} (apt-get install npm)")
+        result = subprocess.run([npm, "pack", f"{name}@{version}", "--pack-destination", str(CACHE)],
                                 capture_output=True, text=True)
         if result.returncode != 0 or not tarball.exists():
-            sys.exit(f"build.py: npm pack failed:\n{result.stderr.strip()}")
+            sys.exit(f"build.py: npm pack {name}@{version} failed:\n{result.stderr.strip()}")
     target = unpacked.parent
     if target.exists():
         shutil.rmtree(target)
@@ -99,10 +108,25 @@ def pyodide_package() -> Path:
         members = [m for m in archive.getmembers()
                    if m.isfile() and m.name.startswith("package/") and ".." not in Path(m.name).parts]
         archive.extractall(target, members=members)
-    missing = [name for name in PYODIDE_FILES if not (unpacked / name).exists()]
+    missing = [path for path in files if not (unpacked / path).exists()]
     if missing:
-        sys.exit(f"build.py: the pyodide package lacks {missing}")
+        sys.exit(f"build.py: the {name} package lacks {missing}")
     return unpacked
+
+
+def pyodide_package() -> Path:
+    return npm_package("pyodide", PYODIDE_VERSION, PYODIDE_FILES)
+
+
+def wllama_package() -> Path:
+    return npm_package("@wllama/wllama", WLLAMA_VERSION, WLLAMA_FILES)
+
+
+def fetch() -> None:
+    """Every npm package the page bundles, into build/ (so that a later build needs no network)."""
+    pyodide_package()
+    wllama_package()
+    log(f"npm packages cached in {CACHE.relative_to(ROOT)}")
 
 
 # ------------------------------------------------------------------------------------ wheel
@@ -238,6 +262,10 @@ def build(clean: bool = False) -> dict:
     for name in PYODIDE_FILES:
         copy_if_changed(package / name, DIST / "pyodide" / name)
 
+    wllama = wllama_package()
+    for source, name in WLLAMA_FILES.items():
+        copy_if_changed(wllama / source, DIST / "wllama" / name)
+
     wheel, wheel_key = build_wheel()
     wheel_target = DIST / "wheels" / wheel_key / wheel.name
     for old in (DIST / "wheels").glob("*") if (DIST / "wheels").exists() else ():
@@ -266,6 +294,7 @@ def build(clean: bool = False) -> dict:
         "wheel": str(wheel_target.relative_to(DIST)),
         "deps": deps,  # loaded before the wheel: jinja2 and MarkupSafe (the chat templates)
         "glue": "needle_worker.py",
+        "wllama": {"version": WLLAMA_VERSION, "module": "wllama/wllama.js", "wasm": "wllama/wllama.wasm"},
         # The first model is what the page loads on its first visit.
         "models": [default, model] if default else [model],
     }
@@ -291,8 +320,12 @@ def serve(port: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Build the needle-wgpu browser demo into web/dist/.")
     parser.add_argument("--clean", action="store_true", help="empty web/dist/ first")
+    parser.add_argument("--fetch", action="store_true", help="only fetch the npm packages into build/")
     parser.add_argument("--serve", type=int, metavar="PORT", help="serve web/dist/ on 127.0.0.1:PORT afterwards")
     args = parser.parse_args(argv)
+    if args.fetch:
+        fetch()
+        return 0
     build(clean=args.clean)
     if args.serve is not None:
         serve(args.serve)

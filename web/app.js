@@ -17,7 +17,8 @@ const ui = {
   chatLog: $("chat-log"), chatInput: $("chat-input"), chatReset: $("chat-reset"), chatSystem: $("chat-system"),
   chatStats: $("chat-stats"), constrained: $("constrained"), confidence: $("confidence"),
   advanced: $("advanced-sampling"), logitBias: $("logit-bias"), logitBiasError: $("logit-bias-error"),
-  logitBiasNote: $("logit-bias-note"),
+  logitBiasNote: $("logit-bias-note"), engineNotice: $("engine-notice"), engineNoticeText: $("engine-notice-text"),
+  engineSwitch: $("engine-switch"), requestWait: $("request-wait"),
 };
 
 let worker = null;
@@ -35,6 +36,14 @@ let pickedFile = null;   // the picker's last file (its input is cleared so the 
 let manifest = null;
 let chatHistory = [];    // [{role, content}] of the conversation shown in the chat log
 let chatId = 1;          // the worker keeps one conversation (and its KV cache) per chat id
+// Which engine runs the model: "webgpu" (the worker: Pyodide + WGSL) or "cpu" (llama.cpp in
+// WebAssembly through wllama, cpu_engine.js; GGUF files only). WebGPU is the default where there
+// is a usable adapter; a software adapter gets a notice that offers the CPU engine.
+let engine = "webgpu";
+let cpu = null;          // the CpuEngine, made on first use
+let gpuUsable = false;   // a WebGPU device opened
+let lastSpec = null;     // the model the page loaded last (an engine switch loads it again)
+let offerCpu = false;    // a software adapter: the notice's button offers the CPU engine
 const busy = () => phase !== "idle";
 
 // ---------------------------------------------------------------------------- worker plumbing
@@ -194,6 +203,18 @@ function updateButtons() {
   ui.stop.disabled = phase !== "generating" || stopping;
   ui.chatReset.disabled = phase === "generating";
   ui.generate.textContent = mode === "chat" ? "Send" : "Generate";
+  for (const radio of document.querySelectorAll('input[name="engine"]')) {
+    radio.checked = radio.value === engine;
+    radio.disabled = busy() || (radio.value === "webgpu" && !gpuUsable);
+  }
+  ui.engineSwitch.disabled = busy();
+  ui.engineSwitch.hidden = !offerCpu || engine === "cpu";
+  // The request form appears with a model; until then a note says why it is not there.
+  ui.form.hidden = !modelLoaded;
+  ui.requestWait.hidden = modelLoaded;
+  ui.requestWait.textContent = phase === "booting" ? "The request form appears once a model is loaded (the engine is starting)." :
+    phase === "loading" ? "The request form appears once the model is loaded." :
+    "Load a model (above) to send requests.";
 }
 
 // ---------------------------------------------------------------------------- boot and load
@@ -215,6 +236,12 @@ function fillBundled() {
 }
 
 function describeBundled() {
+  // On the CPU engine the Needle 3 files are not choices (they run on WebGPU only).
+  for (const option of ui.bundled.options) {
+    const cact = option.value.endsWith(".cact");
+    option.disabled = engine === "cpu" && cact;
+    option.textContent = option.textContent.replace(/ \(WebGPU only\)$/, "") + (option.disabled ? " (WebGPU only)" : "");
+  }
   const m = bundledEntry(ui.bundled.value);
   ui.bundledNote.textContent = !m ? "" : m.synthetic ?
     "A tiny Needle 3 with random weights: it shows the engine working, and its output is random text." :
@@ -240,23 +267,99 @@ async function boot() {
   fillBundled();
   needle.bootSeconds = bootSeconds;
   needle.bootStages = stages;
-  if (!device.ok) {
-    phase = "idle";
-    setStatus("error", "No GPU");
-    showError(device.error.message);
-    hideProgress();
+  gpuUsable = Boolean(navigator.gpu) && device.ok;
+  needle.adapter = device.ok ? device.result : null;
+  phase = "idle";
+  hideProgress();
+  if (gpuUsable) {
+    ui.deviceName.textContent = device.result.adapter;
+    setStatus("ready", `Ready · engine started in ${bootSeconds.toFixed(1)} s`);
+  }
+  const wanted = new URLSearchParams(location.search).get("engine");
+  engine = !gpuUsable || wanted === "cpu" || engine === "cpu" ? "cpu" : "webgpu";
+  showEngineNotice(device);
+  // A model picked while the engine was starting wins over the bundled one.
+  let first = queuedLoad || { source: "default", file: ui.bundled.value };
+  queuedLoad = null;
+  if (engine === "cpu") first = cpuSpec(first);
+  if (!first) {  // no WebGPU and no bundled GGUF: nothing can run
+    setStatus("error", "No engine");
     updateButtons();
     return;
   }
-  ui.deviceName.textContent = device.result.adapter;
-  setStatus("ready", `Ready · engine started in ${bootSeconds.toFixed(1)} s`);
-  phase = "idle";
-  // A model picked while the engine was starting wins over the bundled one.
-  const first = queuedLoad || { source: "default", file: ui.bundled.value };
-  queuedLoad = null;
   await loadModel(first);
   refreshCache();
 }
+
+// What the visitor should know about the engines here: a software adapter is slow (the CPU
+// engine is offered); without WebGPU, GGUF models run on the CPU engine.
+function showEngineNotice(device) {
+  let text = "";
+  if (!navigator.gpu) {
+    text = "This browser has no WebGPU: GGUF models run on the CPU engine (llama.cpp in WebAssembly); Needle 3 " +
+      "(.cact) files need WebGPU (a recent Chrome or Edge on a desktop or Android; on Linux it may have to be " +
+      "enabled in chrome://flags).";
+  } else if (!device.ok) {
+    text = `WebGPU cannot be used here (${device.error.message}): GGUF models run on the CPU engine ` +
+      "(llama.cpp in WebAssembly); Needle 3 (.cact) files need WebGPU.";
+  } else if (device.result.softwareRasterizer) {
+    text = `Software adapter: expect ~1 tok/s from the default model on WebGPU here (${device.result.adapter} draws on ` +
+      "the CPU). The CPU engine (llama.cpp in WebAssembly) runs GGUF models about ten times faster on such a machine.";
+  }
+  ui.engineNoticeText.textContent = text;
+  ui.engineNotice.hidden = !text;
+  offerCpu = gpuUsable && device.result.softwareRasterizer;
+  needle.engineNotice = text;
+  describeBundled();
+  updateButtons();
+}
+
+// The model spec to load on the CPU engine: a bundled Needle 3 file becomes the first bundled
+// GGUF (null when none is bundled); other specs as they are (the engine refuses what is not GGUF).
+function cpuSpec(spec) {
+  if (spec.source !== "default" || !spec.file.endsWith(".cact")) return spec;
+  const gguf = manifest.models.find((m) => m.file.endsWith(".gguf"));
+  if (!gguf) {
+    showError("The CPU engine runs GGUF files and this page bundles none: load a .gguf file or URL.", "model");
+    return null;
+  }
+  ui.bundled.value = gguf.file;
+  describeBundled();
+  return { source: "default", file: gguf.file };
+}
+
+async function cpuEngine() {
+  if (!cpu) {
+    const { CpuEngine } = await import(`./cpu_engine.js?b=${BUILD}`);
+    cpu = new CpuEngine(manifest, onWorkerMessage, (head, size) => request("gguf_layout", { head, size }));
+  }
+  return cpu;
+}
+
+// The engine radio or the notice's button: the current model is loaded again on the other engine
+// (the engine left frees its model: GPU buffers or the WebAssembly heap).
+async function switchEngine(value) {
+  if (busy() || value === engine || (value === "webgpu" && !gpuUsable)) return updateButtons();
+  engine = value;
+  describeBundled();
+  updateButtons();
+  let spec = lastSpec || { source: "default", file: ui.bundled.value };
+  if (value === "cpu") {
+    spec = cpuSpec(spec);
+    if (modelLoaded) request("unload_model");  // queued before the load; frees the GPU memory now
+  } else if (cpu) {
+    await cpu.unload();
+  }
+  modelLoaded = false;
+  needle.model = null;
+  updateButtons();
+  return spec ? loadModel(spec) : null;
+}
+
+for (const radio of document.querySelectorAll('input[name="engine"]')) {
+  radio.addEventListener("change", () => switchEngine(radio.value));
+}
+ui.engineSwitch.addEventListener("click", () => switchEngine("cpu"));
 
 function selectedSource() {
   return document.querySelector('input[name="source"]:checked').value;
@@ -282,21 +385,33 @@ async function loadModel(spec) {
   updateButtons();
   setStatus("busy", `Loading ${describeSpec(spec)}…`);
   const started = performance.now();
-  const reply = await request("load", spec);
+  let reply;
+  if (engine === "cpu") {
+    needle.loadRequests += 1;
+    reply = await cpuEngine().then((cpuEngine) => cpuEngine.load(spec), (error) => {
+      console.error("cpu engine:", error);
+      return { ok: false, error: { kind: "CpuEngineError", message: `the CPU engine could not start (${error.message})` } };
+    });
+  } else {
+    reply = await request("load", spec);
+  }
   needle.lastLoad = reply;
   phase = "idle";
   hideProgress();
   if (reply.ok) {
     const m = reply.result;
+    m.engine = m.engine || "webgpu";
     modelLoaded = true;
+    lastSpec = spec;
     const seconds = (performance.now() - started) / 1000;
     ui.summary.textContent = `${m.name}: ${mb(m.bytes)}, ${m.layers} layers, d=${m.dModel}, vocab ${m.vocab}, ` +
       `context ${m.context}${m.fromCache ? " (from cache)" : ""} · ` +
-      `ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines` + describeTemplate(m.chatTemplate);
+      (m.engine === "cpu" ? `ready in ${seconds.toFixed(1)} s on the CPU engine · chat template: the file's own` :
+        `ready in ${seconds.toFixed(1)} s, ${m.pipelines} pipelines` + describeTemplate(m.chatTemplate));
     ui.deviceName.textContent = m.device.adapter;
     setStatus("ready", "Ready");
     const entry = spec.source === "default" ? bundledEntry(spec.file) : null;
-    m.synthetic = Boolean(entry && entry.synthetic);
+    m.synthetic = Boolean((entry && entry.synthetic) || m.synthetic);
     needle.model = m;
     ui.output.replaceChildren();  // the previous model's output and stats are not this one's
     delete ui.output.dataset.cut;
@@ -308,6 +423,7 @@ async function loadModel(spec) {
     if (m.cachedNow) refreshCache();
   } else {
     setStatus(modelLoaded ? "ready" : "idle", modelLoaded ? "Ready (previous model)" : "No model loaded");
+    if (!modelLoaded) ui.summary.textContent = "";
     showError(reply.error.message, "model");
   }
   updateButtons();
@@ -514,6 +630,7 @@ function formatStats(r) {
   const biased = Object.keys(s.logit_bias || {}).length;
   if (biased) extras.push(`${biased} biased token${biased === 1 ? "" : "s"}`);
   if (extras.length) parts.push(extras.join(" "));
+  if (r.engine === "cpu") parts.push("CPU engine (llama.cpp, WebAssembly)");
   if (r.host) {
     // What each token cost the host (encode+submit, and reading back: CPU, then wall), and the
     // adapter: on a software one the GPU's own time dominates, on a real GPU the host's may.
@@ -550,6 +667,10 @@ function resetChat() {
   ui.chatLog.replaceChildren();
   ui.chatStats.textContent = "";
   needle.chatId = chatId;
+  if (engine === "cpu") {
+    if (cpu) cpu.resetChat();
+    return;
+  }
   // Free the old conversation's KV cache now (requests run in order: never mid-generation).
   if (worker && modelLoaded) request("chat_reset").then(() => { needle.chatResets += 1; });
 }
@@ -596,7 +717,7 @@ async function generate() {
   ui.stop.focus();
   ui.callsBlock.hidden = true;
   ui.confidence.textContent = "";
-  const reply = await request("generate", { request: payload });
+  const reply = engine === "cpu" ? await generateOnCpu(payload) : await request("generate", { request: payload });
   const bubble = streamTarget;
   streamTarget = null;
   if (bubble) delete bubble.dataset.progress;
@@ -646,6 +767,23 @@ async function generate() {
   if (!busy()) focusInput();
   await runQueued();
   return reply;
+}
+
+// A request on the CPU engine: the sampling fields saturated by the engine's own rules (the
+// worker's Python, as on WebGPU), then llama.cpp.
+async function generateOnCpu(payload) {
+  needle.generateRequests += 1;
+  const model = needle.model;
+  let settings = null;
+  if (worker) {
+    const saturated = await request("sampling_settings", { request: payload, vocab: model.vocab, context: model.context });
+    if (!saturated.ok) return saturated;
+    settings = saturated.result;
+  } else {
+    return { ok: false, error: { kind: "BootError", message: "the engine's worker is not running" } };
+  }
+  if (!cpu) return { ok: false, error: { kind: "CpuEngineError", message: "the CPU engine has not started" } };
+  return cpu.generate(payload, settings);
 }
 
 function focusInput() {
@@ -701,23 +839,19 @@ ui.stop.addEventListener("click", () => {
   if (streamTarget && streamTarget !== ui.output && !streamTarget.textContent) streamTarget.dataset.progress = "Stopping…";
   setStatus("busy", "Stopping…");
   updateButtons();
-  worker.postMessage({ type: "stop" });
+  if (engine === "cpu") cpu.stop();
+  else worker.postMessage({ type: "stop" });
 });
 
 // ---------------------------------------------------------------------------- start
 // For the browser tests and the console: the request channel and the last results.
 const needle = { request, generate, loadModel, errorText, bootSeconds: null, model: null, lastResult: null,
                  lastLoad: null, streamedTokens: 0, progressLog: [], loadRequests: 0, generateRequests: 0, generations: 0,
-                 chatModel: null, chatId, chatResets: 0, onProgress: null, state: () => ({ phase, stopping, queued: Boolean(queuedLoad) }) };
+                 chatModel: null, chatId, chatResets: 0, onProgress: null, engineNotice: "", adapter: null,
+                 switchEngine, state: () => ({ phase, stopping, queued: Boolean(queuedLoad), engine }) };
 window.needle = needle;
 
-if (!navigator.gpu) {
-  phase = "idle";
-  setStatus("error", "No WebGPU");
-  showError("This browser has no WebGPU, which the engine needs. Use a recent Chrome or Edge on a desktop or Android " +
-            "(on Linux, WebGPU may have to be enabled in chrome://flags).");
-} else {
-  startWorker();
-  needle.ready = boot();
-}
+// The worker starts even without WebGPU: its Python saturates the sampling fields for the CPU engine.
+startWorker();
+needle.ready = boot();
 updateButtons();

@@ -137,7 +137,7 @@ def _upload(data: bytes, name: str) -> dict:
     try:
         model_file = family.read(data)  # raises ContainerError before the loaded model is touched
     except NeedleError as exc:
-        raise type(exc)(f"{name}: {exc}") from None
+        raise type(exc)(f"{name}: {_cut_short(data, exc) or exc}") from None
     parsed = time.perf_counter()
     close_chat()  # its session lives in the old model's buffers
     State.model = None  # if this upload fails, the next request re-uploads the previous model
@@ -174,9 +174,55 @@ def _upload(data: bytes, name: str) -> dict:
         "family": model.describe().get("family", ""), "chatTemplate": _template_summary(model),
         "parseSeconds": round(parsed - started, 3), "uploadSeconds": round(uploaded - parsed, 3),
         "compileSeconds": round(compiled - uploaded, 3), "pipelines": device.pipeline_count,
-        "device": _device_summary(device),
+        "device": _device_summary(device), "synthetic": _synthetic(model_file),
     }
     return State.summary
+
+
+def _cut_short(data: bytes, exc: NeedleError, size: int | None = None):
+    """A GGUF file that ends early (an incomplete download or copy), said in words and sizes
+    rather than the reader's byte offsets; None for other problems. ``data``: the file, or its
+    first bytes when ``size`` says how long it is."""
+    from needle_wgpu.errors import ContainerError
+    from needle_wgpu.formats import gguf
+
+    text = str(exc)
+    if not isinstance(exc, ContainerError) or not bytes(data[:4]) == b"GGUF" or \
+            not any(words in text for words in ("truncated", "past the end of the file", "cannot fit")):
+        return None
+    size = len(data) if size is None else size
+    try:
+        needed = gguf._bytes_needed(memoryview(data), size)
+    except NeedleError:
+        needed = size
+    if needed > size:
+        return (f"the file is cut short: it has {_megabytes(size)} but its header describes "
+                f"{_megabytes(needed)} of weights (an incomplete download or copy?)")
+    return (f"the file is cut short: it ends inside its header, after {_megabytes(size)} "
+            "(an incomplete download or copy?)")
+
+
+def _megabytes(size: int) -> str:
+    return f"{size:,} bytes" if size < 100_000 else f"{size / 1e6:.1f} MB"
+
+
+def _synthetic(model_file) -> bool:
+    """Whether the file is one of the project's synthetic models (random weights: its output is
+    random text): a GGUF that synth_gguf named "synthetic ...", or a Needle 3 file whose
+    tokenizer is the synthetic one."""
+    from needle_wgpu.formats.needle3_tokenizer import SYNTHETIC_MAX_VOCAB, SYNTHETIC_MIN_VOCAB, synthetic_tokenizer_blob
+
+    gguf_file = getattr(model_file, "gguf", None)
+    if gguf_file is not None:
+        field = gguf_file.fields.get("general.name")
+        return isinstance(getattr(field, "value", None), str) and field.value.startswith("synthetic ")
+    tokenizer, vocab = getattr(model_file, "tokenizer", None), model_file.geometry.vocab
+    if tokenizer is None or not SYNTHETIC_MIN_VOCAB <= vocab <= SYNTHETIC_MAX_VOCAB:
+        return False
+    try:
+        return bytes(tokenizer) == synthetic_tokenizer_blob(vocab)
+    except ValueError:
+        return False
 
 
 def _template_summary(model: Model):
@@ -422,19 +468,23 @@ def _settings(model: Model, request: dict, context: int, prompt_tokens: int = 0)
     use them. The page's fields arrive as text; a missing one is None (the engine's default,
     max_tokens's 0). logit_bias: a JSON object or nothing (the page checks its field; anything
     else is refused here rather than read as "no bias")."""
+    return _saturate(request, model.geometry.head_rows, context - prompt_tokens)
+
+
+def _saturate(request: dict, vocab: int, room: int) -> tuple:
+    """``_settings`` for a vocabulary of ``vocab`` ids and ``room`` positions left."""
     knobs = {k: request.get(k) for k in KNOBS}
     bias = knobs["logit_bias"]
     if bias is not None and not isinstance(bias, dict):
         raise InputError("logit_bias: must be a JSON object of token ids and biases, e.g. {\"42\": -100}")
-    sampling = Sampling.saturate(**{k: v for k, v in knobs.items() if k != "max_tokens"},
-                                 vocab=model.geometry.head_rows)
+    sampling = Sampling.saturate(**{k: v for k, v in knobs.items() if k != "max_tokens"}, vocab=vocab)
     effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], context - prompt_tokens),
+                 "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], room),
                  "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
                  "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
                  "penalty_last_n": sampling.penalty_last_n,
                  "logit_bias": {str(token): bias for token, bias in sampling.logit_bias}}
-    effective["logit_bias_ignored"] = _bias_ignored(bias, model.geometry.head_rows)
+    effective["logit_bias_ignored"] = _bias_ignored(bias, vocab)
     return knobs, effective
 
 
@@ -621,6 +671,50 @@ def chat_turn(model: Model, request: dict) -> dict:
     return out
 
 
+@entry
+def sampling_settings(request_json: str, vocab, context) -> dict:
+    """The page's sampling fields as the engine saturates them, for a model of ``vocab`` ids and
+    ``context`` positions: the CPU engine (web/cpu_engine.js) takes these, so both engines read
+    the same fields the same way."""
+    return _saturate(_request(request_json), max(1, int(vocab)), max(0, int(context)))[1]
+
+
+@entry
+def gguf_layout(js_head, size) -> dict:
+    """The CPU engine's check of a GGUF file before llama.cpp reads it (which takes a file cut
+    short and would read past its end): the first bytes of a file of ``size`` bytes, read as the
+    engine's own reader does. {"more": true}: the header runs past these bytes, send more;
+    {"problem": text}: refused, in the WebGPU engine's words; else {"needed": bytes}."""
+    from needle_wgpu.errors import ContainerError
+    from needle_wgpu.formats import gguf
+
+    head, size = js_head.to_bytes(), int(size)
+    view = memoryview(head)
+    try:
+        gguf._read_layout(view, size)
+    except gguf._NeedMore:
+        return {"more": True}
+    except ContainerError as exc:
+        return {"problem": _cut_short(head, exc, size) or str(exc)}
+    needed = gguf._bytes_needed(view, size)
+    if needed > size:
+        return {"problem": (f"the file is cut short: it has {_megabytes(size)} but its header describes "
+                            f"{_megabytes(needed)} of weights (an incomplete download or copy?)"), "needed": needed}
+    return {"needed": needed}
+
+
+@entry
+def unload_model() -> dict:
+    """The page switched to the CPU engine: the model's GPU memory is freed now; the next
+    WebGPU request loads a model again."""
+    had = State.model is not None
+    close_chat()
+    State.model = State.model_bytes = State.summary = None
+    if State.device is not None and not State.device.lost_reason:
+        State.device.release_dropped()
+    return {"unloaded": had}
+
+
 # ---------------------------------------------------------------------------- test hooks
 @entry
 def logits(ids_json: str) -> dict:
@@ -684,6 +778,7 @@ def info() -> dict:
             "counters": vars(device.counters) if device is not None else None,
             # Which kernel shapes were compiled: q_matmul_rows / cq_matmul_rows on a CPU adapter (§8).
             "kernels": sorted({key.family for key in device._pipelines}) if device is not None else [],
+            "pipelines": device.pipeline_count if device is not None else 0,
             "chat": _chat_summary()}
 
 

@@ -202,6 +202,15 @@ const handlers = {
   async bench(msg) {
     return callPython("bench", msg.prompt || 16, msg.decode || 8);
   },
+  async sampling_settings(msg) {
+    return callPython("sampling_settings", JSON.stringify(msg.request || {}), msg.vocab || 1, msg.context || 0);
+  },
+  async gguf_layout(msg) {
+    return callPython("gguf_layout", msg.head, msg.size);
+  },
+  async unload_model() {
+    return callPython("unload_model");
+  },
   async chat_reset() {
     return callPython("chat_reset");
   },

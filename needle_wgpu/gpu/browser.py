@@ -304,6 +304,10 @@ class BrowserDevice(Device):
     def _destroy_buffer(self, handle):
         handle.destroy()
 
+    def _submit_nothing(self):
+        if not self.lost_reason:
+            self._device.queue.submit(self._js.Array.new())
+
     def release_dropped(self) -> int:
         """Destroy the GPU memory of buffers Python no longer references, now rather than at some
         later JS garbage collection; returns how many. Only safe where no live bind group refers

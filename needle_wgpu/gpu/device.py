@@ -309,6 +309,10 @@ class Device:
         """Release a buffer's GPU memory now (work already submitted that uses it still runs)."""
         raise NotImplementedError
 
+    def _submit_nothing(self) -> None:
+        """An empty submit: the queue's pending writes go, and with them what they held."""
+        raise NotImplementedError
+
     def _track_drop(self, buffer: Buffer):
         """What happens when Python drops ``buffer`` without ``free`` (a weakref.finalize)."""
         return weakref.finalize(buffer, _forget, self.counters, buffer.size)
@@ -352,6 +356,14 @@ class Device:
             try:
                 self._destroy_buffer(buffer.handle)
             except Exception:  # a lost device has released everything already
+                pass
+        if released:
+            # wgpu-native and Dawn keep a destroyed buffer's memory while queue writes to it wait
+            # for the next submit: a session that wrote its uniforms but never ran (a request with
+            # no room) would leave all its memory behind until then. An empty submit lets it go.
+            try:
+                self._submit_nothing()
+            except Exception:
                 pass
         return released
 

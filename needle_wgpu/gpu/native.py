@@ -142,6 +142,10 @@ class NativeDevice(Device):
     def _destroy_buffer(self, handle):
         handle.destroy()
 
+    def _submit_nothing(self):
+        if not self.lost:  # wgpu-native aborts the process on a submit to a destroyed device
+            self._device.queue.submit([])
+
     def wait_idle(self, what="GPU work"):
         """A 4-byte readback: it completes after every command submitted before it (wgpu-py
         0.32's ``on_submitted_work_done_sync`` has a binding bug)."""

@@ -133,3 +133,42 @@ def stop_during_prefill(page, capture: str, after: int = 64) -> None:
             }
         };
     }""" % capture, after)
+
+
+def chromium_rss(kind: str | None = None):
+    """Resident bytes of the Chromium processes this test process launched (found through
+    their parents in /proc), only those of ``--type=kind`` when given ("gpu-process",
+    "renderer"); None where /proc is missing or no such process is found (not Linux, or the GPU
+    running inside the browser process). SwiftShader keeps every GPU buffer in the GPU
+    process's memory, and wllama's WebAssembly heap lives in the page's renderer."""
+    import os
+
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+
+    def field(pid, name: str) -> int:
+        try:
+            status = (proc / str(pid) / "status").read_text()
+        except OSError:
+            return 0
+        line = next((line for line in status.splitlines() if line.startswith(name + ":")), None)
+        return int(line.split()[1]) if line else 0
+
+    total, found, me = 0, False, os.getpid()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"chromium" not in command or (kind is not None and f"--type={kind}".encode() not in command):
+            continue
+        ancestor, depth = int(entry.name), 0
+        while ancestor > 1 and ancestor != me and depth < 8:
+            ancestor, depth = field(ancestor, "PPid"), depth + 1
+        if ancestor == me:
+            found = True
+            total += field(entry.name, "VmRSS") * 1024
+    return total if found else None

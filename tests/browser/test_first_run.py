@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from .pages import (BUNDLED, SLOW_PAGE_MS, banner, chat_turn, ensure_bundled, fill_form, generate, load_file,
-                    stop_during_prefill)
+from .pages import (BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, chat_turn, ensure_bundled, fill_form, generate,
+                    load_file, stop_during_prefill)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -89,6 +89,7 @@ def test_first_run_explains_itself(app):
     reply = load_file(app, {"name": "again.cact", "mimeType": "application/octet-stream",
                             "buffer": BUNDLED.read_bytes()})
     assert reply["ok"], reply
+    assert app.is_visible("#model-note")  # a synthetic file picked from disk says so too
     compile_labels = [p["shown"] for p in app.evaluate("() => window.needle.progressLog") if p["stage"] == "compile"]
     assert compile_labels and all(label.startswith("Compiling GPU pipelines") for label in compile_labels)
     ensure_bundled(app)
@@ -103,6 +104,12 @@ def test_errors_name_the_file_and_the_problem(app, site):
     reply = load_file(app, {"name": "cut.cact", "mimeType": "application/octet-stream",
                             "buffer": BUNDLED.read_bytes()[:5000]})
     assert not reply["ok"] and reply["error"]["message"].startswith("cut.cact: "), reply
+    if SMOLLM2.exists():  # a GGUF cut short is said in sizes, not in the reader's byte offsets
+        reply = load_file(app, {"name": "cut.gguf", "mimeType": "application/octet-stream",
+                                "buffer": SMOLLM2.read_bytes()[:3_000_000]})
+        message = reply["error"]["message"]
+        assert message == ("cut.gguf: the file is cut short: it has 3.0 MB but its header describes 98.4 MB of "
+                           "weights (an incomplete download or copy?)"), message
     url = f"{site}models/missing.gguf"
     reply = app.evaluate("(url) => window.needle.loadModel({source: 'url', url})", url)
     assert not reply["ok"] and url in reply["error"]["message"] and "HTTP 404" in reply["error"]["message"]
@@ -162,6 +169,9 @@ def test_load_while_the_engine_starts_loads_once(browser, site):
         page.wait_for_function("() => window.needle && window.needle.state")
         assert page.evaluate("() => window.needle.state().phase") == "booting"
         assert page.is_disabled("#load-button") and page.is_disabled("#generate-button")
+        # No request form before a model: a note says why (the engine is starting).
+        assert page.is_hidden("#request-form") and page.is_visible("#request-wait")
+        assert "the engine is starting" in page.text_content("#request-wait")
         page.check('input[name="source"][value="file"]')
         page.set_input_files("#file-input", {"name": "early.cact", "mimeType": "application/octet-stream",
                                              "buffer": BUNDLED.read_bytes()})
@@ -171,6 +181,7 @@ def test_load_while_the_engine_starts_loads_once(browser, site):
         assert page.evaluate("() => window.needle.loadRequests") == 1
         assert page.evaluate("() => window.needle.model.name") == "early.cact"
         assert not page.is_disabled("#load-button") and not page.is_disabled("#generate-button")
+        assert page.is_visible("#request-form") and page.is_hidden("#request-wait")
         assert banner(page) == ""
     finally:
         context.close()
@@ -190,6 +201,8 @@ def test_stop_in_a_chat_keeps_the_reply_and_the_cache(app, tmp_path):
     assert loaded["ok"], loaded
     try:
         assert loaded["result"]["chatTemplate"]["kind"] == "jinja"
+        # A synthetic GGUF (random weights) from disk gets the synthetic note as the bundled file does.
+        assert loaded["result"]["synthetic"] and app.is_visible("#model-note")
         assert app.get_attribute("#tab-chat", "aria-selected") == "true"
         first = chat_turn(app, "Hi!", max_tokens=3)
         stopped = chat_turn(app, "Tell me more.", max_tokens=200, stop_after=2)

