@@ -25,7 +25,8 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import ContextFullError, InputError
-from ..gpu.device import Device, Plan, UniformArena, recording
+from ..gpu.device import Binding, Device, Plan, UniformArena, recording
+from ..kernels import sample as sample_ops
 from ..logprobs import row_values, token_logprob
 from .session import ChunkedSession, session_sampling
 
@@ -60,8 +61,8 @@ class StepRequest:
 class DecodeBatch:
     """Scratch rows for up to ``capacity`` sequences and the cached batched plans. A family's
     subclass sets ``device``, ``capacity``, ``logit_rows`` and ``logits`` (f32
-    [capacity][logit_rows]), calls ``_start`` and builds the pieces (``_shared``, ``_row``,
-    ``_sample``; ``_layers``: how many layers have per-row work)."""
+    [capacity][logit_rows]), calls ``_start`` and builds the pieces (``_shared``, ``_row``;
+    ``_layers``: how many layers have per-row work)."""
 
     device: Device
     capacity: int
@@ -91,7 +92,12 @@ class DecodeBatch:
         raise NotImplementedError
 
     def _sample(self, plan: Plan, arena: UniformArena, row: BatchRow, b: int) -> None:
-        raise NotImplementedError
+        """Row ``b``'s sampler over its logits row, with its session's settings, seed and mask
+        (the same for every family: the sampler reads only the session's step, tokens, result)."""
+        session, rows = row.session, self.logit_rows
+        sample_ops.sample(plan, arena, Binding(session.step_uniform), logits=self.logits, logits_offset=b * rows,
+                          rows=rows, tokens=session.tokens, result=session.result, context=session.context,
+                          positions=1, sampling=row.sampling, mask=session.mask if row.masked else None)
 
     def _layers(self) -> int:
         raise NotImplementedError

@@ -12,7 +12,6 @@ from ..gpu.device import Binding, Plan, UniformArena, recording
 from ..kernels import attention as attention_ops
 from ..kernels import moe as moe_ops
 from ..kernels import qmatmul
-from ..kernels import sample as sample_ops
 from .batch import DecodeBatch
 from ..errors import UnsupportedModelError
 from .dense_layers import build_layers, embedding_scale, head, qkv_width
@@ -85,10 +84,3 @@ class DenseBatch(DecodeBatch):
         o_row = Binding(self.o, F32 * b * self.o_stride, F32 * g.attn_out)
         attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=cache, o=o_row, positions=1,
                                 partials=session.partials, label=f"attention {layer}.{b}")
-
-    def _sample(self, plan: Plan, arena: UniformArena, row, b: int) -> None:
-        session, g = row.session, self.model.geometry
-        sample_ops.sample(plan, arena, Binding(session.step_uniform), logits=self.logits,
-                          logits_offset=b * g.head_rows, rows=g.head_rows, tokens=session.tokens,
-                          result=session.result, context=session.context, positions=1, sampling=row.sampling,
-                          mask=session.mask if row.masked else None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from ..errors import InputError, UnsupportedModelError
 from ..gpu.device import Binding, Plan, UniformArena, recording
 from ..kernels import attention as attention_ops
-from ..kernels import sample as sample_ops
 from ..kernels.needle3 import embed as embed_ops, mhc as mhc_ops
 from .batch import DecodeBatch
 from .needle3_layers import build_blocks, build_engram, build_head
@@ -98,10 +97,3 @@ class Needle3Batch(DecodeBatch):
         attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=cache, gate=qkvg, o=o_row,
                                 positions=1, int8=session.int8, partials=session.partials,
                                 label=f"attention {layer}.{b}")
-
-    def _sample(self, plan: Plan, arena: UniformArena, row, b: int) -> None:
-        session, g = row.session, self.model.geometry
-        sample_ops.sample(plan, arena, Binding(session.step_uniform), logits=self.logits,
-                          logits_offset=b * g.head_rows, rows=g.head_rows, tokens=session.tokens,
-                          result=session.result, context=session.context, positions=1, sampling=row.sampling,
-                          mask=session.mask if row.masked else None)
