@@ -47,7 +47,7 @@ PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_s
 # one wasm build (single thread: the page is not cross-origin isolated), as the page names them.
 WLLAMA_VERSION = "3.8.1"
 WLLAMA_FILES = {"esm/index.js": "wllama.js", "esm/wasm/wllama.wasm": "wllama.wasm", "LICENCE": "LICENCE"}
-PAGE_FILES = ("index.html", "app.js", "worker.js", "cpu_engine.js", "style.css", "needle_worker.py")
+PAGE_FILES = ("index.html", "app.js", "worker.js", "cpu_engine.js", "download.js", "style.css", "needle_worker.py")
 STAMPED = ("index.html", "app.js", "worker.js", "cpu_engine.js")  # files whose __BUILD_ID__ is replaced
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "needle_wgpu", "shaders")
 BUNDLED_MODEL = ("needle3-tiny.cact", "tiny", 0)  # file name, synth geometry, seed

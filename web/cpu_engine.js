@@ -5,6 +5,8 @@
 // work as they do on WebGPU. wllama runs llama.cpp in a worker of its own; this module only drives it.
 // Needle 3 (.cact) files stay on WebGPU. Nothing here throws to the page: every failure is a reply.
 
+import { readWithProgress } from "./download.js?b=__BUILD_ID__";
+
 const BUILD = "__BUILD_ID__";
 const CACHE_NAME = "needle-wgpu-models-v1";  // shared with worker.js: a model downloaded once serves both
 const CONTEXT = 4096;                        // llama.cpp's KV cache, as the WebGPU page's session
@@ -77,22 +79,8 @@ export class CpuEngine {
         "or its server does not allow cross-origin requests (CORS); the browser does not say which");
     }
     if (!response.ok) throw new UserError(`${url.href}: download failed: HTTP ${response.status} ${response.statusText}`.trim());
-    const total = Number(response.headers.get("content-length")) || null;
-    const parts = [];
-    let received = 0;
-    let last = 0;
-    const reader = response.body.getReader();
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      parts.push(value);
-      received += value.byteLength;
-      if (performance.now() - last > 100) {
-        last = performance.now();
-        this.progress("download", `Downloading ${name}`, received, total);
-      }
-    }
-    this.progress("download", `Downloaded ${name}`, received, total || received);
+    const { parts } = await readWithProgress(response, name,
+      (text, done, total) => this.progress("download", text, done, total));
     return { blob: new Blob(parts), name, cacheKey: url.href, cached: false };
   }
 

@@ -10,6 +10,7 @@
 // that still escapes is caught here and reported, so the worker keeps serving requests.
 
 import { loadPyodide } from "./pyodide/pyodide.mjs";
+import { readWithProgress } from "./download.js?b=__BUILD_ID__";
 
 const BUILD = "__BUILD_ID__";
 const CACHE_NAME = "needle-wgpu-models-v1";
@@ -87,23 +88,8 @@ async function boot() {
 async function fetchWithProgress(url, label) {
   const response = await fetch(url);
   if (!response.ok) throw new UserError(`${url}: download failed: HTTP ${response.status} ${response.statusText}`.trim());
-  const total = Number(response.headers.get("content-length")) || null;
-  if (!response.body) return new Uint8Array(await response.arrayBuffer());
-  const reader = response.body.getReader();
-  const parts = [];
-  let received = 0;
-  let last = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    parts.push(value);
-    received += value.byteLength;
-    if (performance.now() - last > 100) {
-      last = performance.now();
-      progress("download", `Downloading ${label}`, received, total);
-    }
-  }
-  progress("download", `Downloaded ${label}`, received, total || received);
+  const { parts, received } = await readWithProgress(response, label,
+    (text, done, total) => progress("download", text, done, total));
   const bytes = new Uint8Array(received);
   let at = 0;
   for (const part of parts) { bytes.set(part, at); at += part.byteLength; }
