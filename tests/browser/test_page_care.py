@@ -74,11 +74,11 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
         if kind == "one chat":
             # Its cache is made by the first turn, kept by the others and freed with the chat. A
             # turn whose new text is a chunk length the chat has not run yet builds that length's
-            # plan and keeps it (its uniforms: 128 KiB here), so the level may step up on a few
-            # early turns, by far less than the cache, and is flat for the second half.
-            cache, grown = levels[0] - level, levels[-1] - levels[0]
-            assert cache > 0 and levels == sorted(levels) and 0 <= grown < cache / 4, (kind, level, levels)
-            assert levels[ROUNDS // 2:] == [levels[-1]] * (ROUNDS - ROUNDS // 2), (kind, level, levels)
+            # plan and keeps it (its uniforms: 128 KiB here), and a turn whose re-rendered history
+            # no longer matches the cache starts the chat's session over (the cache again, without
+            # those plans): the level moves within a few plans above the cache, never by a cache.
+            cache = min(levels) - level
+            assert cache > 0 and max(levels) - min(levels) < cache / 4, (kind, level, levels)
             request(app, "chat_reset")
             assert live_bytes(app) == level, (kind, level, live_bytes(app))
         else:
