@@ -68,7 +68,13 @@ ROPE_VARIANTS = {  # the RoPE variants of tests/test_dense_reference.py's SYNTH,
 def test_rope_variants_every_position_and_decode(variant, tmp_path, device):
     """Llama 3 frequency factors and YaRN (factor, original context, attention factor): every
     position of every prompt, and greedy decode steps equal the reference's argmax chain."""
-    path = write_dense_gguf(tmp_path / f"{variant}.gguf", ROPE_VARIANTS[variant], tokenizer="bytes")
+    every_position_and_greedy(ROPE_VARIANTS[variant], tmp_path / f"{variant}.gguf", device)
+
+
+def every_position_and_greedy(spec, path, device) -> tuple:
+    """Every position of every prompt against the reference, and greedy prefill + decode steps
+    equal to the reference's argmax chain. Returns (model, prompt, greedy ids)."""
+    path = write_dense_gguf(path, spec, tokenizer="bytes")
     model = needle_wgpu.load(str(path), device=device)
     reference = DenseReference(path)
     vocab = model.geometry.vocab
@@ -76,6 +82,7 @@ def test_rope_variants_every_position_and_decode(variant, tmp_path, device):
     prompt = [1, 40, 41, 42, 43]
     ours = model.generate(ids=prompt, max_tokens=8, context=32).ids
     assert ours == reference.greedy(prompt, 8)[: len(ours)] and len(ours) >= 1
+    return model, prompt, ours
 
 
 ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH added after the first six
@@ -98,15 +105,8 @@ ARCHITECTURES = {  # the architectures of tests/test_dense_reference.py's SYNTH 
 def test_architectures_every_position_and_decode(arch, tmp_path, device):
     """Every position of every prompt against the reference; greedy prefill + decode steps equal
     the reference's argmax chain, and each decode step's logits equal the prefill's row."""
-    path = write_dense_gguf(tmp_path / f"{arch}.gguf", ARCHITECTURES[arch], tokenizer="bytes")
-    model = needle_wgpu.load(str(path), device=device)
+    model, prompt, ours = every_position_and_greedy(ARCHITECTURES[arch], tmp_path / f"{arch}.gguf", device)
     assert model.describe()["architecture"] == ARCHITECTURES[arch].arch
-    reference = DenseReference(path)
-    vocab = model.geometry.vocab
-    assert_parity(model, reference, [[i % vocab for i in ids] for ids in PROMPTS])
-    prompt = [1, 40, 41, 42, 43]
-    ours = model.generate(ids=prompt, max_tokens=8, context=32).ids
-    assert ours == reference.greedy(prompt, 8)[: len(ours)] and len(ours) >= 1
     rows = np.array(model.logits(prompt + ours[:3], context=32), np.float32)
     session = model.gpu.session(context=32)
     try:
