@@ -105,6 +105,7 @@ class NativeDevice(Device):
         self.lost = False
         self._fence = None  # 16 bytes read back by wait_idle
         self._stagings = []  # mappable buffers of collected rounds, free for the next (``_take_staging``)
+        self._map_callback = self._map_done = None  # a round readback's map callback and its statuses
 
     def _guard(self, what):
         if self.lost:
@@ -242,14 +243,17 @@ class NativeDevice(Device):
         self._guard("read")
         staging, index = staged
         _, poll, map_async, mapped_range, unmap, ffi, lib = _STAGING
-        done = []
+        if self._map_callback is None:  # made once: a cffi callback is costly to make per round
+            done = self._map_done = []
 
-        @ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
-        def mapped(status, message, userdata1, userdata2):
-            done.append(status)
+            @ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
+            def mapped(status, message, userdata1, userdata2):
+                done.append(status)
 
-        info = ffi.new("WGPUBufferMapCallbackInfo *", {"mode": lib.WGPUCallbackMode_AllowProcessEvents,
-                                                        "callback": mapped})
+            self._map_callback = (mapped, ffi.new("WGPUBufferMapCallbackInfo *", {
+                "mode": lib.WGPUCallbackMode_AllowProcessEvents, "callback": mapped}))
+        done, info = self._map_done, self._map_callback[1]
+        done.clear()
         try:
             map_async(staging._internal, lib.WGPUMapMode_Read, 0, size, info[0])
             submission = ffi.new("WGPUSubmissionIndex *", index)
