@@ -25,8 +25,11 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
     ends, and so is a chat's when a new chat starts: over 20 requests of each kind (free prompt,
     tool call, a new chat each time, and 20 turns of one chat), after one of each kind the
     device's live bytes are back at their level after every request, and the GPU process (where
-    SwiftShader keeps every GPU buffer) stays within 32 MB of where it was. The tiny model, so
-    that 84 requests take about four minutes on SwiftShader."""
+    SwiftShader keeps every GPU buffer) grows by less than 12 MB over the last 10 requests of each
+    kind and 64 MB in all: a session kept per request (Dawn once kept 3.5 MB a request here)
+    would add 35 MB in 10, while the process's own heap and caches may drift by a few MB, more on
+    some machines than others. The tiny model, so that 84 requests take about four minutes on
+    SwiftShader."""
     ensure_bundled(app)
     same_chat = 5000
 
@@ -63,7 +66,7 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
     request(app, "chat_reset")  # the warm-up's chat: "one chat" starts its own below
     history.clear()
     rss_before = chromium_rss("gpu-process")
-    rss = {}
+    rss, halfway = {}, {}
     for kind, run in kinds.items():
         level = live_bytes(app)
         levels = []
@@ -71,6 +74,8 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
             reply = run(i)
             assert reply["ok"], (kind, i, reply)
             levels.append(live_bytes(app))
+            if i == ROUNDS // 2:
+                halfway[kind] = chromium_rss("gpu-process")
         if kind == "one chat":
             # Its cache is made by the first turn, kept by the others and freed with the chat. A
             # turn whose new text is a chunk length the chat has not run yet builds that length's
@@ -85,9 +90,11 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
             assert levels == [level] * ROUNDS, (kind, level, levels)
         rss[kind] = chromium_rss("gpu-process")
     if rss_before is not None and rss["one chat"] is not None:
-        print(f"GPU process: {rss_before / 1e6:.0f} MB after one request of each kind, then after 20 more of each: " +
-              ", ".join(f"{kind} {value / 1e6:.0f} MB" for kind, value in rss.items()))
-        assert max(rss.values()) - rss_before < 32e6, (rss_before, rss)
+        print(f"GPU process: {rss_before / 1e6:.0f} MB after one request of each kind, then after 10 and 20 more of each: " +
+              ", ".join(f"{kind} {halfway[kind] / 1e6:.0f} / {rss[kind] / 1e6:.0f} MB" for kind in kinds))
+        late = {kind: rss[kind] - halfway[kind] for kind in kinds}
+        assert max(late.values()) < 12e6, (rss_before, halfway, rss)
+        assert max(rss.values()) - rss_before < 64e6, (rss_before, halfway, rss)
 
 
 def test_enter_sends_shift_enter_is_a_newline_escape_stops_and_focus_follows(app, tmp_path):
