@@ -12,24 +12,15 @@ shared experts, ...) means a feature this engine does not implement and is refus
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
-from ..errors import ContainerError, UnsupportedModelError
+from ..errors import UnsupportedModelError
 from ..rope import rope_magnitude, scaled_frequencies
 from .dense_archs import ARCHITECTURES, ArchRules
-from .gguf import ARRAY, INT_TYPES, REQUIRED, STRING, GgufFile
+from .dense_keys import (MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, bad, count, factors, kv_heads,
+                         multipliers, real, rope_freq_scale)
+from .gguf import STRING, GgufFile
 from .gguf_types import require_supported
-
-MAX_DIM = 1 << 20
-MAX_LAYERS = 1024
-MAX_VOCAB = 1 << 22
-MAX_CONTEXT = 1 << 24
-MAX_EXPERTS = 1024
-
-
-def _bad(what: str, problem: str):
-    raise ContainerError(f"{what}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -190,7 +181,7 @@ class DenseGeometry:
     # ------------------------------------------------------------------ tensors (§2)
     def layer_tensors(self, layer: int) -> list:
         """(name, ne) of every tensor of one layer, ne in ggml order (ne[0] = input width)."""
-        d, ff, n_exp = self.d_model, self.ff_dim, self.num_experts
+        d = self.d_model
         if self.rules.fused_qkv:
             projections = [("attn_qkv", (d, self.q_dim + self.k_dim + self.v_dim))]
         else:
@@ -259,70 +250,70 @@ class DenseGeometry:
         def key(suffix):
             return f"{arch}.{suffix}"
 
-        d = _count(f, key("embedding_length"))
-        num_heads = _count(f, key("attention.head_count"))
+        d = count(f, key("embedding_length"))
+        num_heads = count(f, key("attention.head_count"))
         if d % num_heads and key("attention.key_length") not in f.fields:
-            _bad(f"metadata key {key('attention.key_length')!r}",
+            bad(f"metadata key {key('attention.key_length')!r}",
                  f"missing, and embedding_length {d} is not a multiple of head_count {num_heads}")
-        key_dim = _count(f, key("attention.key_length"), default=d // num_heads)
-        ff_dim = _count(f, key("feed_forward_length"))
-        rope_dims = _count(f, key("rope.dimension_count"), default=key_dim)
+        key_dim = count(f, key("attention.key_length"), default=d // num_heads)
+        ff_dim = count(f, key("feed_forward_length"))
+        rope_dims = count(f, key("rope.dimension_count"), default=key_dim)
         experts = used = 0
         if rules.moe:
-            experts = _count(f, key("expert_count"), hi=MAX_EXPERTS)
-            used = _count(f, key("expert_used_count"), hi=MAX_EXPERTS)
+            experts = count(f, key("expert_count"), hi=MAX_EXPERTS)
+            used = count(f, key("expert_used_count"), hi=MAX_EXPERTS)
             if rules.expert_width_key:
-                ff_dim = _count(f, key(rules.expert_width_key), default=max(ff_dim // used, 1))
+                ff_dim = count(f, key(rules.expert_width_key), default=max(ff_dim // used, 1))
             if f.get_int(key("expert_gating_func"), 1) != 1:
                 raise UnsupportedModelError(f"metadata key {key('expert_gating_func')!r}: only softmax "
                                             "routing (1) is supported")
         if "token_embd.weight" not in f:
-            _bad("tensor 'token_embd.weight'", "missing")
+            bad("tensor 'token_embd.weight'", "missing")
         embd = f["token_embd.weight"]
         if len(embd.ne) != 2 or embd.ne[0] != d:
-            _bad("tensor 'token_embd.weight'", f"ne {list(embd.ne)} disagrees with embedding_length {d}")
-        vocab = _count(f, key("vocab_size"), hi=MAX_VOCAB) if key("vocab_size") in f.fields else embd.ne[1]
+            bad("tensor 'token_embd.weight'", f"ne {list(embd.ne)} disagrees with embedding_length {d}")
+        vocab = count(f, key("vocab_size"), hi=MAX_VOCAB) if key("vocab_size") in f.fields else embd.ne[1]
         if not 1 <= vocab <= MAX_VOCAB:
-            _bad("tensor 'token_embd.weight'", f"{vocab} rows (the vocabulary) is out of range (1..{MAX_VOCAB})")
+            bad("tensor 'token_embd.weight'", f"{vocab} rows (the vocabulary) is out of range (1..{MAX_VOCAB})")
         tokens = f.fields.get("tokenizer.ggml.tokens")
         if tokens is not None:  # llama.cpp sizes the embedding by it
             if tokens.item_type != STRING:
-                _bad("metadata key 'tokenizer.ggml.tokens'", "is not an array of strings")
+                bad("metadata key 'tokenizer.ggml.tokens'", "is not an array of strings")
             if len(tokens.value) != vocab:
-                _bad("metadata key 'tokenizer.ggml.tokens'", f"{len(tokens.value)} tokens for a vocabulary of {vocab}")
-        num_layers = _count(f, key("block_count"), hi=MAX_LAYERS)
-        num_kv_heads, conv_layers, conv_taps = _kv_heads(f, key, num_heads, num_layers, rules.short_conv)
+                bad("metadata key 'tokenizer.ggml.tokens'", f"{len(tokens.value)} tokens for a vocabulary of {vocab}")
+        num_layers = count(f, key("block_count"), hi=MAX_LAYERS)
+        num_kv_heads, conv_layers, conv_taps = kv_heads(f, key, num_heads, num_layers, rules.short_conv)
         if rules.output_required and "output.weight" not in f:
-            _bad("tensor 'output.weight'", f"missing ({arch} has no tied head)")
+            bad("tensor 'output.weight'", f"missing ({arch} has no tied head)")
         geometry = cls(
             arch=arch, num_layers=num_layers, d_model=d,
             ff_dim=ff_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
             conv_layers=conv_layers, conv_taps=conv_taps,
-            key_dim=key_dim, value_dim=_count(f, key("attention.value_length"), default=key_dim),
+            key_dim=key_dim, value_dim=count(f, key("attention.value_length"), default=key_dim),
             rope_dims=rope_dims,
-            rope_base=_real(f, key("rope.freq_base"), 10000.0, 1.0, 1e12),
-            rope_freq_scale=_rope_freq_scale(f, arch, rules.rope_scalings),
-            rms_eps=_real(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-12, 1.0),
-            vocab=vocab, context_length=_count(f, key("context_length"), hi=MAX_CONTEXT),
+            rope_base=real(f, key("rope.freq_base"), 10000.0, 1.0, 1e12),
+            rope_freq_scale=rope_freq_scale(f, arch, rules.rope_scalings),
+            rms_eps=real(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-12, 1.0),
+            vocab=vocab, context_length=count(f, key("context_length"), hi=MAX_CONTEXT),
             tied_head="output.weight" not in f,
             # required: always read (missing ones are then named); optional: when blk.0 has them.
             qkv_bias=rules.qkv_bias == "required" or rules.qkv_bias == "optional" and "blk.0.attn_q.bias" in f,
             output_bias=rules.output_bias and "output.bias" in f,
             num_experts=experts, num_experts_used=used,
-            sliding_window=_count(f, key("attention.sliding_window"), hi=MAX_CONTEXT)
+            sliding_window=count(f, key("attention.sliding_window"), hi=MAX_CONTEXT)
             if rules.sliding_every else 0,
-            declared_window=0 if rules.sliding_every else _count(f, key("attention.sliding_window"), lo=0,
+            declared_window=0 if rules.sliding_every else count(f, key("attention.sliding_window"), lo=0,
                                                                    hi=MAX_CONTEXT, default=0),
             rope_scaling=f.get_str(key("rope.scaling.type"), "linear"),
-            rope_orig_context=_count(f, key("rope.scaling.original_context_length"), hi=MAX_CONTEXT, default=0)
+            rope_orig_context=count(f, key("rope.scaling.original_context_length"), hi=MAX_CONTEXT, default=0)
             if key("rope.scaling.original_context_length") in f.fields else 0,
-            rope_attn_factor=_real(f, key("rope.scaling.attn_factor"), 1.0, 1e-3, 1e3),
-            yarn_log_mul=_real(f, key("rope.scaling.yarn_log_multiplier"), 0.0, 0.0, 1e3),
-            rope_factors=tuple((stem, _factors(f, f"{stem}.weight", rope_dims)) for stem in rules.rope_factor_tensors
+            rope_attn_factor=real(f, key("rope.scaling.attn_factor"), 1.0, 1e-3, 1e3),
+            yarn_log_mul=real(f, key("rope.scaling.yarn_log_multiplier"), 0.0, 0.0, 1e3),
+            rope_factors=tuple((stem, factors(f, f"{stem}.weight", rope_dims)) for stem in rules.rope_factor_tensors
                                if f"{stem}.weight" in f),
-            **(_multipliers(f, key) if rules.multipliers else {}),
-            **({"attn_softcap": _real(f, key("attn_logit_softcapping"), rules.softcaps[0], 1e-3, 1e6),
-                "final_softcap": _real(f, key("final_logit_softcapping"), rules.softcaps[1], 1e-3, 1e6)}
+            **(multipliers(f, key) if rules.multipliers else {}),
+            **({"attn_softcap": real(f, key("attn_logit_softcapping"), rules.softcaps[0], 1e-3, 1e6),
+                "final_softcap": real(f, key("final_logit_softcapping"), rules.softcaps[1], 1e-3, 1e6)}
                if rules.softcaps else {}),
         )
         geometry._validate(key)
@@ -331,13 +322,13 @@ class DenseGeometry:
 
     def _validate(self, key) -> None:
         if self.num_heads % self.num_kv_heads:
-            _bad(f"metadata key {key('attention.head_count_kv')!r}",
+            bad(f"metadata key {key('attention.head_count_kv')!r}",
                  f"{self.num_kv_heads} does not divide head_count {self.num_heads}")
         if self.rope_dims % 2 or self.rope_dims > self.key_dim:
-            _bad(f"metadata key {key('rope.dimension_count')!r}",
+            bad(f"metadata key {key('rope.dimension_count')!r}",
                  f"{self.rope_dims} is odd or wider than the head ({self.key_dim})")
         if self.rules.fused_qkv and self.q_dim != self.d_model:
-            _bad(f"metadata key {key('attention.head_count')!r}",
+            bad(f"metadata key {key('attention.head_count')!r}",
                  f"a fused attn_qkv needs head_count · key_length = embedding_length ({self.q_dim} != {self.d_model})")
         stems = {stem for stem, _ in self.rope_factors}
         if self.rope_scaling == "longrope" and not stems >= {"rope_factors_long", "rope_factors_short"}:
@@ -345,23 +336,23 @@ class DenseGeometry:
                                         "rope_factors_long / rope_factors_short tensors")
         if stems and {"rope_factors_long", "rope_factors_short"} & stems and \
                 stems != {"rope_factors_long", "rope_factors_short"}:
-            _bad("tensor 'rope_factors_long.weight'", "LongRoPE needs both the long and the short factors")
+            bad("tensor 'rope_factors_long.weight'", "LongRoPE needs both the long and the short factors")
         window = key("attention.sliding_window")
         if self.rules.declared_window == "refused" and self.declared_window:
             raise UnsupportedModelError(f"metadata key {window!r}: {self.arch} files with sliding-window layers "
                                         f"({self.declared_window}) are not supported")
         if self.num_experts_used > self.num_experts:
-            _bad(f"metadata key {key('expert_used_count')!r}",
+            bad(f"metadata key {key('expert_used_count')!r}",
                  f"{self.num_experts_used} > expert_count {self.num_experts}")
 
     def _check_tensors(self, f: GgufFile) -> None:
         for group in self._tensor_groups():
             for name, ne in group:
                 if name not in f:
-                    _bad(f"tensor {name!r}", "missing")
+                    bad(f"tensor {name!r}", "missing")
                 tensor = f[name]
                 if tensor.ne != ne:
-                    _bad(f"tensor {name!r}", f"ne {list(tensor.ne)} disagrees with the metadata (expected {list(ne)})")
+                    bad(f"tensor {name!r}", f"ne {list(tensor.ne)} disagrees with the metadata (expected {list(ne)})")
                 require_supported(tensor.type, f"tensor {name!r}")
                 if _is_vector(name, ne) and tensor.type.name != "F32":
                     raise UnsupportedModelError(f"tensor {name!r}: a {tensor.type.name} vector (norms, biases and "
@@ -376,82 +367,3 @@ class DenseGeometry:
 def _is_vector(name: str, ne: tuple) -> bool:
     """A tensor read as F32 values (``DenseGeometry.vector_tensors``)."""
     return len(ne) == 1 or name.endswith(".shortconv.conv.weight")
-
-
-def _kv_heads(f: GgufFile, key, num_heads: int, num_layers: int, short_conv: bool) -> tuple:
-    """(kv heads, short-convolution layers, taps): head_count_kv as llama.cpp reads it. lfm2
-    (``short_conv``) may give one entry per layer, 0 marking a convolution block; the attention
-    layers must then share one count."""
-    name = key("attention.head_count_kv")
-    entry = f.fields.get(name)
-    if not short_conv or entry is None or entry.type != ARRAY:
-        return _count(f, name, default=num_heads), (), _count(f, key("shortconv.l_cache"), lo=2, hi=64) \
-            if short_conv else 0
-    if entry.item_type not in INT_TYPES or len(entry.value) != num_layers:
-        _bad(f"metadata key {name!r}", f"expected {num_layers} integers (one per layer)")
-    per_layer = [int(v) for v in entry.value]
-    attention = sorted(set(n for n in per_layer if n))
-    if len(attention) > 1 or not all(0 <= n <= num_heads for n in per_layer):
-        raise UnsupportedModelError(f"metadata key {name!r}: kv heads {attention} vary by layer (one count "
-                                    "for every attention layer is supported)")
-    conv_layers = tuple(i for i, n in enumerate(per_layer) if n == 0)
-    return (attention[0] if attention else num_heads), conv_layers, _count(f, key("shortconv.l_cache"), lo=2, hi=64)
-
-
-def _multipliers(f: GgufFile, key) -> dict:
-    """Granite's four multipliers as llama.cpp reads them (logit_scale required, the others
-    optional; 0 means none). A file whose rope.scaling.finetuned is false runs without RoPE in
-    llama.cpp: refused here rather than served rotated."""
-    if not f.get_bool(key("rope.scaling.finetuned"), True):
-        raise UnsupportedModelError(f"metadata key {key('rope.scaling.finetuned')!r}: false (no RoPE) is not supported")
-    return {"embedding_multiplier": _real(f, key("embedding_scale"), 0.0, 0.0, 1e6),
-            "residual_multiplier": _real(f, key("residual_scale"), 0.0, 0.0, 1e6),
-            "attention_multiplier": _real(f, key("attention.scale"), 0.0, 0.0, 1e6),
-            "logit_scale": _real(f, key("logit_scale"), REQUIRED, 1e-6, 1e6)}
-
-
-def _count(f: GgufFile, key: str, lo: int = 1, hi: int = MAX_DIM, default=REQUIRED) -> int:
-    """An integer key in [lo, hi]; per-layer arrays (a few models vary widths by layer) are refused."""
-    entry = f.fields.get(key)
-    if entry is not None and entry.type == ARRAY:
-        raise UnsupportedModelError(f"metadata key {key!r}: per-layer values are not supported")
-    value = f.get_int(key, default)
-    if not lo <= value <= hi:
-        _bad(f"metadata key {key!r}", f"{value} is out of range ({lo}..{hi})")
-    return value
-
-
-def _factors(f: GgufFile, name: str, rope_dims: int) -> tuple:
-    """The f32 values of a [rope_dims / 2] frequency-factor tensor (shape and type are checked
-    with the other tensors; here the values: positive and finite, as divisors)."""
-    t = f[name]
-    if t.type.name != "F32" or t.ne != (rope_dims // 2,):
-        _bad(f"tensor {name!r}", f"expected F32 [{rope_dims // 2}], got {t.type.name} {list(t.ne)}")
-    values = struct.unpack(f"<{rope_dims // 2}f", bytes(t.data))
-    if not all(0.0 < v < math.inf for v in values):
-        _bad(f"tensor {name!r}", "frequency factors must be positive and finite")
-    return values
-
-
-def _real(f: GgufFile, key: str, default: float, lo: float, hi: float) -> float:
-    value = f.get_float(key, default)
-    if not lo <= value <= hi:  # NaN fails both comparisons
-        _bad(f"metadata key {key!r}", f"{value} is out of range ({lo:g}..{hi:g})")
-    return value
-
-
-def _rope_freq_scale(f: GgufFile, arch: str, accepted: tuple) -> float:
-    """1 / factor, as llama.cpp reads it: rope.scale_linear, else rope.scaling.factor (0 = none)."""
-    kind = f.get_str(f"{arch}.rope.scaling.type", "linear")
-    if kind not in accepted:
-        raise UnsupportedModelError(f"metadata key '{arch}.rope.scaling.type': {kind!r} RoPE scaling is not "
-                                    f"supported (supported: {', '.join(accepted)})")
-    factor_key = f"{arch}.rope.scale_linear"
-    if factor_key not in f.fields:
-        factor_key = f"{arch}.rope.scaling.factor"
-    factor = f.get_float(factor_key, 0.0)
-    if factor == 0.0:
-        return 1.0
-    if not 1e-3 <= factor <= 1e6:
-        _bad(f"metadata key {factor_key!r}", f"{factor} is out of range (0 or 0.001..1e6)")
-    return 1.0 / factor
