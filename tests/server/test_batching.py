@@ -83,3 +83,35 @@ def test_features_of_concurrent_requests_are_those_alone_and_a_leaver_leaves_alo
                    what="every sequence gone")
     assert json.loads(got[0][0]).keys() == {"city", "population"}
     assert len(got[1][3]) == 6  # the logprobs request kept its logprobs
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_mixture_of_experts_requests_decoded_together_answer_as_alone(tmp_path, arch):
+    """A MoE file's routes (top-k experts per row, chosen on the GPU) stay each row's own through
+    the server's batch: greedy, seeded and penalised requests sent at once over HTTP get the
+    answers they get one at a time, and they share decode steps."""
+    from needle_wgpu.server import ModelSpec
+    from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+    path = write_dense_gguf(tmp_path / f"{arch}.gguf", SynthDense(arch=arch, layer_gain=2.0, context=512))
+    config = ServerConfig(models=(ModelSpec(arch, str(path), context=512),),
+                          limits=Limits(max_sequences=4, prefix_cache_bytes=0))
+    bodies = [{"model": arch, "messages": [{"role": "user", "content": text}], "max_tokens": 12, **sampling}
+              for text, sampling in [("Tell me about cities.", {"temperature": 0}),
+                                     ("A story, please", {"temperature": 0.9, "seed": 11}),
+                                     ("Hi", {"temperature": 0.7, "seed": 2, "presence_penalty": 1.0}),
+                                     ("What is a river?", {"temperature": 0})]]
+    with live_server(config) as (url, runner):
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            alone = [answer_of(client.chat.completions.create(**body)) for body in bodies]
+        stepper = runner.config.app.state.host.schedulers[arch].stepper
+        before = (stepper.steps, stepper.rows)
+
+        async def together():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+                return [answer_of(a) for a in await asyncio.gather(*[c.chat.completions.create(**b) for b in bodies])]
+
+        got = run_async(together(), 300)
+        assert stepper.rows - before[1] > stepper.steps - before[0]  # the requests shared decode steps
+    assert got == alone
+    assert all(content for content, *_ in got)
