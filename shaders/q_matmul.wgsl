@@ -7,6 +7,11 @@
 // of the grid. Threads stride over the quads of a row; each activation quad is loaded once into
 // registers and used for the 4 rows; a workgroup-memory tree sums the 256 partials (portable: no
 // subgroups, which Naga rejects).
+// Entry `gemv_batch` (a batch of decode steps, one position per sequence): `gemv` over up to
+// BATCH (4) positions per workgroup, each weight quad decoded once for all of them; each
+// position's partials are summed exactly as `gemv` sums its one position (the same strided
+// products in the same order, the same tree), so a sequence's row has the same bits in a batch
+// as alone.
 // Entry `gemm` (prefill): 8 x 8 threads, each 4 rows x 4 positions of a 32 x 32 output tile.
 // Per K step of 32 weights (one 32-block, or a 32-weight slice of a K-quant block) the 32 x 32
 // weight tile is dequantised once into workgroup memory with the 32 x 32 activation tile; f32
@@ -15,7 +20,7 @@
 // Constants: QTYPE, BLOCK_WORDS, BLOCK_QUADS, SUB_QUADS, ROW_BLOCKS (GPU blocks per row), ACCUMULATE.
 // Bindings: 0 params, 1 one part of the pack (word plane, then side plane), 2 x f32, 3 y f32.
 // Workgroups (rows folded as x + z * num_workgroups.x): gemv (ceil(rows / 4), positions),
-// gemm (ceil(rows / 32), ceil(positions / 32)).
+// gemv_batch (ceil(rows / 4), ceil(positions / 4)), gemm (ceil(rows / 32), ceil(positions / 32)).
 
 //#include include/q_matmul_io.wgsl
 //#include include/gguf_blocks.wgsl
@@ -74,6 +79,69 @@ fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
   if (lid < GEMV_ROWS && first + lid < params.rows) {
     store(params.y_offset + t * params.y_stride + first + lid, partial[0][lid]);
   }
+}
+
+// ---- gemv_batch ----------------------------------------------------------------------------
+
+const BATCH: u32 = 4u;  // positions per workgroup
+
+// The 256 partials of one position summed as gemv sums them, then stored.
+fn reduce_store(lid: u32, acc: vec4<f32>, first: u32, t: u32) {
+  partial[lid] = acc;
+  workgroupBarrier();
+  for (var span = GEMV_THREADS / 2u; span > 0u; span >>= 1u) {
+    if (lid < span) {
+      partial[lid] += partial[lid + span];
+    }
+    workgroupBarrier();
+  }
+  if (lid < GEMV_ROWS && first + lid < params.rows && t < params.positions) {
+    store(params.y_offset + t * params.y_stride + first + lid, partial[0][lid]);
+  }
+  workgroupBarrier();  // partial[0] is read before the next position overwrites it
+}
+
+@compute @workgroup_size(256)
+fn gemv_batch(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+  let first = (wg.x + wg.z * groups.x) * GEMV_ROWS;
+  if (first >= params.rows) {
+    return;  // the whole workgroup: a surplus group of the fold
+  }
+  let last = params.rows - 1u;
+  let r0 = params.row0 + first;
+  let r1 = params.row0 + min(first + 1u, last);
+  let r2 = params.row0 + min(first + 2u, last);
+  let r3 = params.row0 + min(first + 3u, last);
+  let t0 = wg.y * BATCH;
+  // Positions past the end recompute the last position (always valid) and are not stored.
+  let last_t = params.positions - 1u;
+  let x0 = (params.x_offset + t0 * params.x_stride) >> 2u;
+  let x1 = (params.x_offset + min(t0 + 1u, last_t) * params.x_stride) >> 2u;
+  let x2 = (params.x_offset + min(t0 + 2u, last_t) * params.x_stride) >> 2u;
+  let x3 = (params.x_offset + min(t0 + 3u, last_t) * params.x_stride) >> 2u;
+  var a0 = vec4<f32>(0.0);  // position t0 + p: one component per row
+  var a1 = vec4<f32>(0.0);
+  var a2 = vec4<f32>(0.0);
+  var a3 = vec4<f32>(0.0);
+  for (var q = lid; q < ROW_QUADS; q += GEMV_THREADS) {
+    let w0 = row_quad(r0, q);
+    let w1 = row_quad(r1, q);
+    let w2 = row_quad(r2, q);
+    let w3 = row_quad(r3, q);
+    let v0 = x[x0 + q];
+    a0 += vec4<f32>(dot(w0, v0), dot(w1, v0), dot(w2, v0), dot(w3, v0));
+    let v1 = x[x1 + q];
+    a1 += vec4<f32>(dot(w0, v1), dot(w1, v1), dot(w2, v1), dot(w3, v1));
+    let v2 = x[x2 + q];
+    a2 += vec4<f32>(dot(w0, v2), dot(w1, v2), dot(w2, v2), dot(w3, v2));
+    let v3 = x[x3 + q];
+    a3 += vec4<f32>(dot(w0, v3), dot(w1, v3), dot(w2, v3), dot(w3, v3));
+  }
+  reduce_store(lid, a0, first, t0);
+  reduce_store(lid, a1, first, t0 + 1u);
+  reduce_store(lid, a2, first, t0 + 2u);
+  reduce_store(lid, a3, first, t0 + 3u);
 }
 
 // ---- gemm ----------------------------------------------------------------------------------

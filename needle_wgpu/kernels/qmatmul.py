@@ -87,6 +87,7 @@ SPLIT8_TILE = 4     # CPU shape, gemm=False over 2-4 positions: entry split8 (8 
 CPU_ROWS = 256      # CPU shape: 64 invocations x 4 rows (q_matmul_rows.wgsl says why 4)
 GATHER_QUADS = 64   # get_rows: quads per workgroup
 GEMV_ROWS = 4       # GPU shape GEMV: rows per 256-thread workgroup
+GEMV_BATCH = 4      # GPU shape, gemm=False over several positions: positions per workgroup (gemv_batch)
 GEMM_TILE = 32      # GPU shape GEMM: 32 rows x 32 positions per workgroup
 MAX_GROUPS = 65535
 
@@ -242,7 +243,7 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     ``gemm`` (default: positions > 1) picks the chunked GEMM over the per-position GEMV (with
     ``gemm`` False every position is summed exactly as a one-position GEMV sums it: a batch of
     decode steps, one position per sequence; the CPU shape still decodes each weight once per
-    4 or 8 positions, ``SPLIT8_TILE``);
+    4 or 8 positions, ``SPLIT8_TILE``, the GPU shape once per ``GEMV_BATCH``);
     ``shape`` ("cpu" or "gpu", default from the adapter) the kernel shape of §8. ``accumulate``
     adds to y instead of storing (a residual add). x and y are f32; x offsets and strides must
     be multiples of 4 (vec4 loads).
@@ -263,10 +264,11 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
         key = KernelKey("q_matmul_rows", entry=entry, consts=consts + (("TT", tile), ("SPLIT", split)))
         position_groups = (positions + tile - 1) // tile
     elif shape == "gpu":
-        entry = "gemm" if gemm else "gemv"
+        entry = "gemm" if gemm else "gemv_batch" if positions > 1 else "gemv"
         key = KernelKey("q_matmul", entry=entry, consts=consts)
         rows_per_group = GEMM_TILE if gemm else GEMV_ROWS
-        position_groups = (positions + GEMM_TILE - 1) // GEMM_TILE if gemm else positions
+        tile = GEMM_TILE if gemm else GEMV_BATCH if positions > 1 else 1
+        position_groups = (positions + tile - 1) // tile
     else:
         raise ValueError(f"shape must be 'cpu' or 'gpu', not {shape!r}")
     for part, lo, hi in pieces(pack.parts, row_start, row_start + rows):
