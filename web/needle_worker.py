@@ -20,12 +20,13 @@ import js
 from pyodide.ffi import run_sync
 
 from needle_wgpu.api import GenerationResult, Model
+from needle_wgpu.generation import round_tokens
 from needle_wgpu.chat.template import check_messages
 from needle_wgpu.errors import DeviceLostError, InputError, NeedleError
 from needle_wgpu.families import FAMILIES
 from needle_wgpu.gpu.browser import create_browser_device
 from needle_wgpu.grammar import GrammarError
-from needle_wgpu.models.dense import PREFILL_CHUNK
+from needle_wgpu.models.dense_session import PREFILL_CHUNK
 from needle_wgpu.sampling import Sampling, bias_token, clamp_budget
 
 MAX_PROMPT_CHARS = 200_000  # far beyond any context; keeps a pasted novel from stalling the tokenizer
@@ -460,7 +461,7 @@ class StopCheck:
 
 
 KNOBS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
-         "presence_penalty", "frequency_penalty", "penalty_last_n", "logit_bias")
+         "presence_penalty", "frequency_penalty", "penalty_last_n", "logit_bias", "tokens_per_round")
 
 
 def _settings(model: Model, request: dict, context: int, prompt_tokens: int = 0) -> tuple:
@@ -468,7 +469,9 @@ def _settings(model: Model, request: dict, context: int, prompt_tokens: int = 0)
     use them. The page's fields arrive as text; a missing one is None (the engine's default,
     max_tokens's 0). logit_bias: a JSON object or nothing (the page checks its field; anything
     else is refused here rather than read as "no bias")."""
-    return _saturate(request, model.geometry.head_rows, context - prompt_tokens)
+    knobs, effective = _saturate(request, model.geometry.head_rows, context - prompt_tokens)
+    effective["tokens_per_round"] = round_tokens(knobs["tokens_per_round"], model.gpu.device)
+    return knobs, effective
 
 
 def _saturate(request: dict, vocab: int, room: int) -> tuple:
@@ -477,7 +480,8 @@ def _saturate(request: dict, vocab: int, room: int) -> tuple:
     bias = knobs["logit_bias"]
     if bias is not None and not isinstance(bias, dict):
         raise InputError("logit_bias: must be a JSON object of token ids and biases, e.g. {\"42\": -100}")
-    sampling = Sampling.saturate(**{k: v for k, v in knobs.items() if k != "max_tokens"}, vocab=vocab)
+    sampling = Sampling.saturate(**{k: v for k, v in knobs.items() if k not in ("max_tokens", "tokens_per_round")},
+                                 vocab=vocab)
     effective = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                  "seed": sampling.seed, "max_tokens": clamp_budget(knobs["max_tokens"], room),
                  "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,

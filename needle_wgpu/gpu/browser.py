@@ -219,6 +219,7 @@ class BrowserDevice(Device):
         self._staging_usage = usage.MAP_READ | usage.COPY_DST
         self._staging = None
         self._staging_size = 0
+        self._round_stagings = []  # round readbacks collected and free for the next round
         self._dropped = []  # JS WeakRefs to the handles of Buffers Python has dropped
         try:
             self._write_from_python = js.Function.new("queue", "buffer", "offset", "source", _WRITE_FROM_PYTHON)
@@ -439,12 +440,44 @@ class BrowserDevice(Device):
             raise _translate(exc, "submitting work") from None
 
     def _submit_steps(self, encoded, copies, readback=None):
+        """A round's passes in one submit; its ``readback`` is copied into a staging buffer of its
+        own inside that submit, so that mapping it waits for this round alone (Dawn waits for the
+        last submit that used a buffer), not for a round submitted after it."""
         self._guard("submit")
         records, _, uniform, _, _ = copies[0]
+        staging = None if readback is None else self._take_staging(readback[2])
         try:
-            self._passes([encoded], len(copies), records, uniform, [])
+            self._passes([encoded], len(copies), records, uniform,
+                         [] if staging is None else [(readback[0], readback[1], staging, 0, readback[2])])
         except Exception as exc:
             raise _translate(exc, "submitting work") from None
+        return staging
+
+    def _take_staging(self, size: int):
+        """A mappable buffer of at least ``size`` bytes that no uncollected round uses (a
+        discarded round's is dropped with it: reusing it could map a later copy's bytes)."""
+        for i, buffer in enumerate(self._round_stagings):
+            if int(buffer.size) >= size:
+                return self._round_stagings.pop(i)
+        try:
+            return self._device.createBuffer(self._object({"size": max(256, 1 << (size - 1).bit_length()),
+                                                           "usage": self._staging_usage, "label": "round readback"}))
+        except Exception as exc:
+            raise _translate(exc, "creating a round's readback") from None
+
+    def _collect_staged(self, staging, size):
+        self._guard("read")
+        try:
+            self._sync("reading back", staging.mapAsync(self._map_read, 0, size))
+            data = staging.getMappedRange(0, size).to_bytes()
+        finally:
+            if str(staging.mapState) != "unmapped":
+                try:
+                    staging.unmap()
+                except Exception:  # the device went away mid-read; _guard reports it next
+                    pass
+        self._round_stagings.append(staging)
+        return data
 
     def destroy(self) -> None:
         """Destroy the GPUDevice (also how tests simulate a device loss)."""

@@ -115,3 +115,28 @@ def test_device_loss_is_reported_then_recovered(app):
     got = browser_logits(app, PROMPTS["seven"])
     want = ReferenceModel.from_path(BUNDLED).forward_sequence(PROMPTS["seven"])
     assert rel(got, want) <= GATE
+
+
+def test_rounds_of_several_steps_give_the_ids_of_one_step(app, tmp_path):
+    """A request's ``tokens_per_round`` on a dense file: 4 decode steps a submit, each round's
+    ids copied into a staging buffer inside its own submit and mapped after it, the next round
+    submitted before this one is read (the session rewinds over the overshoot), give the ids of
+    one step a submit, greedy and seeded, in fewer submits."""
+    from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+    path = write_dense_gguf(tmp_path / "rounds.gguf", SynthDense(arch="llama", seed=3), tokenizer="bytes")
+    assert load_file(app, str(path))["ok"]
+    try:
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+            replies = {}
+            for k in (1, 4):
+                submits = request(app, "info")["result"]["counters"]["submits"]
+                reply = request(app, "generate", {"request": {"mode": "prompt", "prompt": "Hello there", "max_tokens": 11,
+                                                              "tokens_per_round": k, **sampling}})
+                assert reply["ok"], reply
+                assert reply["result"]["settings"]["tokens_per_round"] == k
+                replies[k] = (reply["result"]["ids"], request(app, "info")["result"]["counters"]["submits"] - submits)
+            assert replies[4][0] == replies[1][0] and len(replies[1][0]) == 11, replies
+            assert replies[4][1] < replies[1][1], replies
+    finally:
+        ensure_bundled(app)

@@ -12,7 +12,7 @@ import pytest
 
 import needle_wgpu
 from needle_wgpu.formats import dense_archs
-from needle_wgpu.models import dense as dense_model
+from needle_wgpu.models.session import PlanKey
 from needle_wgpu.reference import dense as reference
 from needle_wgpu.reference.dense import DenseReference
 from needle_wgpu.sampling import Sampling
@@ -79,7 +79,7 @@ def test_decode_step_is_one_submit_of_selected_experts_only(moe_files, device):
         before = (counters.submits, counters.bytes_read, counters.dispatches)
         session.step(greedy)
         after = (counters.submits, counters.bytes_read, counters.dispatches)
-        plan = session._plan(dense_model.PlanKey(1, greedy))
+        plan = session._plan(PlanKey(1, greedy))
     finally:
         session.close()
     assert after[0] - before[0] == 1
