@@ -44,7 +44,7 @@ python3 -c "import needle_wgpu.gpu as g; d = g.open_device(); print(d.adapter_na
 # Parity on the real GPU: kernels against their NumPy references, multi-token decoding, both families.
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention.py tests/gpu/test_qmatmul.py \
   tests/gpu/test_sample.py tests/gpu/test_rounds.py tests/gpu/test_model.py tests/gpu/test_dense_model.py \
-  > "$OUT/parity.txt" 2>&1
+  tests/gpu/test_batch.py > "$OUT/parity.txt" 2>&1
 log "parity: $(tail -1 "$OUT/parity.txt")"
 
 python3 - <<'PY' > "$OUT/bench.json" 2>> "$OUT/log.txt"
@@ -75,6 +75,10 @@ for name, source in models.items():
                              seconds=round(time.perf_counter() - started, 2)))
             print(name, rows[-1], file=sys.stderr, flush=True)
     results[name] = {"adapter": model.gpu.device.adapter_name, "rows": rows}
+# Concurrent streams through the server's batched step (GPU shape: gemv_batch, 4 rows a weight read).
+from needle_wgpu.server.bench_streams import run_streams
+results["streams"] = run_streams(needle_wgpu.load(dense), [1, 4, 8, 16], 32, 64)
+print("streams", results["streams"], file=sys.stderr, flush=True)
 print(json.dumps(results, indent=2))
 PY
 log "bench: $(wc -c < "$OUT/bench.json") bytes"
