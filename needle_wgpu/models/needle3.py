@@ -296,6 +296,7 @@ class Needle3Session(ChunkedSession):
         # slots beyond its window and the conv rings more than T + their taps, so the positions
         # a rewound chunk reads again were never overwritten. The probe pools cannot un-fold.
         self.max_rewind = 0 if self.pools else T
+        self.restartable = not self.pools
 
     @property
     def past_kv_window(self) -> bool:

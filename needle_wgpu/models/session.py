@@ -69,6 +69,11 @@ class ChunkedSession:
     logit_rows: int
     rewindable: bool = False  # a family sets it where every layer's cache keeps each position
     max_rewind: int = 0  # else: how many recent positions its caches can still step back over
+    # Whether rewind(0) may start it over whatever its position: every ring (sliding windows,
+    # convolution rows) is read by position and nothing before position 0 is ever read, so a
+    # new sequence never sees the old one. False where a family keeps state that is not by
+    # position (Needle 3's probe pools).
+    restartable: bool = True
     supports_verify = False  # a family whose plans honour ``PlanKey.every_position``
     supports_mask = False  # a family whose plans pass ``self.mask`` to the sampler when key.mask
 
@@ -200,9 +205,13 @@ class ChunkedSession:
 
         A session whose caches keep a sliding window (``rewindable`` false) can still step back
         over its last ``max_rewind`` positions (speculative decoding's rejected drafts): its
-        rings hold that many slots beyond the window, so no key it will read again was lost."""
+        rings hold that many slots beyond the window, so no key it will read again was lost;
+        and start over at 0 where it is ``restartable``."""
         self._check()
         position = clamp_count(position, 0, self.position, self.position)
+        if position == 0 and self.restartable:
+            self.position = 0
+            return
         if not self.rewindable and self.position - position > self.max_rewind:
             raise NeedleError("this session cannot rewind that far (its cache keeps a sliding window"
                               + (f"; at most {self.max_rewind} positions back)" if self.max_rewind else ")"))

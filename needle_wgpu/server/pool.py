@@ -43,10 +43,10 @@ class SequencePool:
         for i, (held, session) in enumerate(self.free):
             if held == key:
                 del self.free[i]
-                if session.rewindable:
+                if session.restartable:
                     session.rewind(0)
                     return session
-                session.close()  # a sliding-window cache cannot rewind that far: a fresh one instead
+                session.close()  # state that cannot start over (probe pools): a fresh one instead
                 return None
         return None
 

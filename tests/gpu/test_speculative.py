@@ -81,6 +81,32 @@ def test_rewinds_beyond_the_rings_are_refused(tiny):
         pooled.rewind(2)  # the probe pools cannot forget a position
 
 
+def test_a_sliding_window_session_starts_over_at_zero_as_a_fresh_one(tiny, tmp_path, device):
+    """``rewind(0)`` past ``max_rewind`` (its rings are read by position, nothing before 0):
+    after 118 positions of another sequence, a Needle 3 session (window 16) and a gemma3 one
+    (window 4) give a new prompt the logits of a fresh session, bit for bit; the server's KV pool
+    reuses sessions so. A session running probe pools still cannot start over."""
+    from needle_wgpu.synth_gguf import SynthDense, write_dense_gguf
+
+    gemma = needle_wgpu.load(str(write_dense_gguf(tmp_path / "gemma3.gguf", SynthDense(arch="gemma3", n_layers=6),
+                                                  tokenizer="bytes")), device=device)
+    prompt = [2, 9, 14, 33, 7, 81, 5, 60, 12, 3, 44, 17, 23, 8, 91, 70, 6, 31, 29, 11]
+    for gpu in (tiny.gpu, gemma.gpu):
+        used = gpu.session(context=160)
+        assert not used.rewindable and used.restartable
+        used.prefill(list(range(3, 121)))
+        used.rewind(0)
+        assert used.position == 0
+        again = np.array(used.all_logits(prompt))
+        fresh = np.array(gpu.session(context=160).all_logits(prompt))
+        assert again.tobytes() == fresh.tobytes()
+    pooled = tiny.gpu.session(context=32, confidence=True)
+    pooled.prefill([2, 5, 6])
+    assert not pooled.restartable
+    with pytest.raises(NeedleError, match="cannot rewind that far"):
+        pooled.rewind(0)
+
+
 @pytest.mark.slow  # ~8 s each on lavapipe
 @pytest.mark.parametrize("seed, depth, k", [(0, 2, 3), (1, 3, 5)])
 def test_speculative_greedy_equals_plain_greedy_on_random_models(device, seed, depth, k):
