@@ -108,3 +108,21 @@ def test_two_rounds_in_flight_read_what_one_round_at_a_time_reads(synthetic_llam
     finally:
         plain.close()
         piped.close()
+
+
+def test_rounds_are_pipelined_where_the_rings_reach_back_over_two(needle3_tiny, synthetic_llama):
+    """The next round goes in before this one is read where the session can take back a round's
+    unused steps and the round ahead: every length on a dense session that rewinds anywhere, and
+    on a Needle 3 session (its rings step back over a chunk, 64) up to 32; longer rounds, and a
+    session running probe pools, are read one at a time."""
+    from needle_wgpu.generation import Steps
+
+    dense, needle = synthetic_llama.gpu.session(context=64), needle3_tiny.gpu.session(context=64)
+    pooled = needle3_tiny.gpu.session(context=64, confidence=True)
+    try:
+        assert Steps(dense, round_tokens=64).pipelined
+        assert Steps(needle, round_tokens=32).pipelined and not Steps(needle, round_tokens=33).pipelined
+        assert not Steps(pooled, round_tokens=4).pipelined
+    finally:
+        for session in (dense, needle, pooled):
+            session.close()
