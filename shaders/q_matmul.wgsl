@@ -47,45 +47,13 @@ const GEMV_ROWS: u32 = 4u;
 
 var<workgroup> partial: array<vec4<f32>, GEMV_THREADS>;
 
-@compute @workgroup_size(256)
-fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-  let first = (wg.x + wg.z * groups.x) * GEMV_ROWS;
-  if (first >= params.rows) {
-    return;  // the whole workgroup: a surplus group of the fold
-  }
-  // Rows past the end recompute the last row (always valid) and are not stored.
-  let last = params.rows - 1u;
-  let r0 = params.row0 + first;
-  let r1 = params.row0 + min(first + 1u, last);
-  let r2 = params.row0 + min(first + 2u, last);
-  let r3 = params.row0 + min(first + 3u, last);
-  let t = wg.y;
-  let x_base = (params.x_offset + t * params.x_stride) >> 2u;
-  var acc = vec4<f32>(0.0);  // one component per row
-  for (var q = lid; q < ROW_QUADS; q += GEMV_THREADS) {
-    let xv = x[x_base + q];
-    acc += vec4<f32>(dot(row_quad(r0, q), xv), dot(row_quad(r1, q), xv), dot(row_quad(r2, q), xv),
-                     dot(row_quad(r3, q), xv));
-  }
-  partial[lid] = acc;
-  workgroupBarrier();
-  for (var span = GEMV_THREADS / 2u; span > 0u; span >>= 1u) {
-    if (lid < span) {
-      partial[lid] += partial[lid + span];
-    }
-    workgroupBarrier();
-  }
-  if (lid < GEMV_ROWS && first + lid < params.rows) {
-    store(params.y_offset + t * params.y_stride + first + lid, partial[0][lid]);
-  }
+// The 4 pack-part rows of the workgroup whose first row is `first`: rows past the end
+// recompute the last row (always valid) and are not stored.
+fn gemv_rows(first: u32) -> vec4<u32> {
+  return vec4<u32>(params.row0) + min(vec4<u32>(first) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(params.rows - 1u));
 }
 
-// ---- gemv_batch ----------------------------------------------------------------------------
-
-const BATCH: u32 = 4u;  // positions per workgroup
-
-// The 256 partials of one position summed as gemv sums them, then stored.
+// The 256 partials of position t summed by a workgroup-memory tree, then stored.
 fn reduce_store(lid: u32, acc: vec4<f32>, first: u32, t: u32) {
   partial[lid] = acc;
   workgroupBarrier();
@@ -98,8 +66,31 @@ fn reduce_store(lid: u32, acc: vec4<f32>, first: u32, t: u32) {
   if (lid < GEMV_ROWS && first + lid < params.rows && t < params.positions) {
     store(params.y_offset + t * params.y_stride + first + lid, partial[0][lid]);
   }
-  workgroupBarrier();  // partial[0] is read before the next position overwrites it
+  workgroupBarrier();  // partial[0] is read before a next position overwrites it
 }
+
+@compute @workgroup_size(256)
+fn gemv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let first = (wg.x + wg.z * groups.x) * GEMV_ROWS;
+  if (first >= params.rows) {
+    return;  // the whole workgroup: a surplus group of the fold
+  }
+  let r = gemv_rows(first);
+  let t = wg.y;
+  let x_base = (params.x_offset + t * params.x_stride) >> 2u;
+  var acc = vec4<f32>(0.0);  // one component per row
+  for (var q = lid; q < ROW_QUADS; q += GEMV_THREADS) {
+    let xv = x[x_base + q];
+    acc += vec4<f32>(dot(row_quad(r.x, q), xv), dot(row_quad(r.y, q), xv), dot(row_quad(r.z, q), xv),
+                     dot(row_quad(r.w, q), xv));
+  }
+  reduce_store(lid, acc, first, t);
+}
+
+// ---- gemv_batch ----------------------------------------------------------------------------
+
+const BATCH: u32 = 4u;  // positions per workgroup
 
 @compute @workgroup_size(256)
 fn gemv_batch(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
@@ -108,11 +99,7 @@ fn gemv_batch(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
   if (first >= params.rows) {
     return;  // the whole workgroup: a surplus group of the fold
   }
-  let last = params.rows - 1u;
-  let r0 = params.row0 + first;
-  let r1 = params.row0 + min(first + 1u, last);
-  let r2 = params.row0 + min(first + 2u, last);
-  let r3 = params.row0 + min(first + 3u, last);
+  let r = gemv_rows(first);
   let t0 = wg.y * BATCH;
   // Positions past the end recompute the last position (always valid) and are not stored.
   let last_t = params.positions - 1u;
@@ -125,10 +112,10 @@ fn gemv_batch(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
   var a2 = vec4<f32>(0.0);
   var a3 = vec4<f32>(0.0);
   for (var q = lid; q < ROW_QUADS; q += GEMV_THREADS) {
-    let w0 = row_quad(r0, q);
-    let w1 = row_quad(r1, q);
-    let w2 = row_quad(r2, q);
-    let w3 = row_quad(r3, q);
+    let w0 = row_quad(r.x, q);
+    let w1 = row_quad(r.y, q);
+    let w2 = row_quad(r.z, q);
+    let w3 = row_quad(r.w, q);
     let v0 = x[x0 + q];
     a0 += vec4<f32>(dot(w0, v0), dot(w1, v0), dot(w2, v0), dot(w3, v0));
     let v1 = x[x1 + q];
