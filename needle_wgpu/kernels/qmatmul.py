@@ -82,9 +82,10 @@ QTYPES = {t.name: t for t in (
 QTYPE_BY_ID = {t.ggml: t for t in QTYPES.values()}
 
 CPU_TILE = 8        # positions per invocation of the CPU-shape GEMM (§8: 4-8)
-SPLIT_TILE = 8      # CPU shape, gemm=False over several positions: entry split8, 8 rows x 8 positions
+SPLIT_TILE = 8      # CPU shape, gemm=False over several positions: entry split, 16 rows x 8 positions
 #                     an invocation (2-4 positions: x 4, as 8 would cost more for nothing)
-CPU_ROWS = 256      # CPU shape: 64 invocations x 4 rows (q_matmul_rows.wgsl says why 4)
+CPU_ROWS = 256      # CPU shape: rows a workgroup, main 64 invocations x 4 rows (q_matmul_rows.wgsl
+#                     says why 4), split 16 x 16
 GATHER_QUADS = 64   # get_rows: quads per workgroup
 GEMV_ROWS = 4       # GPU shape GEMV: rows per 256-thread workgroup
 GEMM_TILE = 32      # GPU shape GEMM: 32 rows x 32 positions per workgroup
@@ -254,11 +255,11 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
         raise ValueError("q_matmul reads x as vec4: x_stride and x_offset must be multiples of 4")
     consts = _block_consts(pack) + (("ACCUMULATE", accumulate),)
     if shape == "cpu":
-        if not gemm and positions > 1:  # entry split8: 8 rows an invocation share each activation quad
-            tile = SPLIT_TILE if positions > SPLIT_TILE // 2 else SPLIT_TILE // 2
-            entry, rows_per_group = "split8", 8 * 64
+        if not gemm and positions > 1:  # entry split: 16 rows an invocation share each activation quad
+            tile, entry = SPLIT_TILE if positions > SPLIT_TILE // 2 else SPLIT_TILE // 2, "split"
         else:
-            tile, entry, rows_per_group = CPU_TILE if gemm else 1, "main", CPU_ROWS
+            tile, entry = CPU_TILE if gemm else 1, "main"
+        rows_per_group = CPU_ROWS
         key = KernelKey("q_matmul_rows", entry=entry, consts=consts + (("TT", tile),))
         position_groups = (positions + tile - 1) // tile
     elif shape == "gpu":
