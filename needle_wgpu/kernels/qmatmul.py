@@ -82,9 +82,10 @@ QTYPES = {t.name: t for t in (
 QTYPE_BY_ID = {t.ggml: t for t in QTYPES.values()}
 
 CPU_TILE = 8        # positions per invocation of the CPU-shape GEMM (§8: 4-8)
-SPLIT8_TILE = 4     # CPU shape, gemm=False over 2-4 positions: entry split8 (8 rows x 4 positions an
-#                     invocation); more positions: main's SPLIT in tiles of CPU_TILE (4 rows x 8)
-CPU_ROWS = 256      # CPU shape: 64 invocations x 4 rows (q_matmul_rows.wgsl says why 4)
+SPLIT_TILE = 8      # CPU shape, gemm=False over several positions: entry split, 16 rows x 8 positions
+#                     an invocation (2-4 positions: x 4, as 8 would cost more for nothing)
+CPU_ROWS = 256      # CPU shape: rows a workgroup, main 64 invocations x 4 rows (q_matmul_rows.wgsl
+#                     says why 4), split 16 x 16
 GATHER_QUADS = 64   # get_rows: quads per workgroup
 GEMV_ROWS = 4       # GPU shape GEMV: rows per 256-thread workgroup
 GEMV_BATCH = 4      # GPU shape, gemm=False over several positions: positions per workgroup (gemv_batch)
@@ -243,7 +244,7 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
     ``gemm`` (default: positions > 1) picks the chunked GEMM over the per-position GEMV (with
     ``gemm`` False every position is summed exactly as a one-position GEMV sums it: a batch of
     decode steps, one position per sequence; the CPU shape still decodes each weight once per
-    4 or 8 positions, ``SPLIT8_TILE``, the GPU shape once per ``GEMV_BATCH``);
+    4 or 8 positions, ``SPLIT_TILE``, the GPU shape once per ``GEMV_BATCH``);
     ``shape`` ("cpu" or "gpu", default from the adapter) the kernel shape of §8. ``accumulate``
     adds to y instead of storing (a residual add). x and y are f32; x offsets and strides must
     be multiples of 4 (vec4 loads).
@@ -255,13 +256,12 @@ def q_matmul(plan: Plan, arena: UniformArena, pack: QPack, x, y, *, positions: i
         raise ValueError("q_matmul reads x as vec4: x_stride and x_offset must be multiples of 4")
     consts = _block_consts(pack) + (("ACCUMULATE", accumulate),)
     if shape == "cpu":
-        split = not gemm and positions > 1
-        if split and positions <= SPLIT8_TILE:  # 8 rows an invocation share each activation quad
-            tile, entry, rows_per_group = SPLIT8_TILE, "split8", 8 * 64
+        if not gemm and positions > 1:  # entry split: 16 rows an invocation share each activation quad
+            tile, entry = SPLIT_TILE if positions > SPLIT_TILE // 2 else SPLIT_TILE // 2, "split"
         else:
-            tile = CPU_TILE if gemm or split else 1
-            entry, rows_per_group = "main", CPU_ROWS
-        key = KernelKey("q_matmul_rows", entry=entry, consts=consts + (("TT", tile), ("SPLIT", split)))
+            tile, entry = CPU_TILE if gemm else 1, "main"
+        rows_per_group = CPU_ROWS
+        key = KernelKey("q_matmul_rows", entry=entry, consts=consts + (("TT", tile),))
         position_groups = (positions + tile - 1) // tile
     elif shape == "gpu":
         entry = "gemm" if gemm else "gemv_batch" if positions > 1 else "gemv"

@@ -207,7 +207,7 @@ def test_default_shape_follows_the_adapter(device, tensors):
 def test_gemv_over_positions_is_bitwise_one_position(device, tensors, qtype, shape, T):
     """``gemm=False`` over several positions (a batch of decode steps, the CPU shape's SPLIT
     tiles) gives each position the very bits of a one-position GEMV: a sequence's step in a
-    batch is the step alone (models/batch.py). 3 positions: entry split8's partial tile; 10: a
+    batch is the step alone (models/batch.py). 3 positions: entry split's partial tile; 10: a
     full tile of 8 and a partial one."""
     raw, w = tensors[qtype]
     pack = qmatmul.upload(device, qtype, qtype, raw, w.shape[0], w.shape[1])
