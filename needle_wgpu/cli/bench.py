@@ -28,31 +28,35 @@ def host_cost(model, prompt: list, tokens: int, round_tokens: int = 1, pipeline:
     pipelined unless ``pipeline`` is false: ``generation.Steps``). Measured
     from the last id of the first round (whose plan is built then) to the last: the calling thread's CPU time (``gpu.device.thread_clock``:
     GPU work on other threads does not count) split into encode+submit, readback and the rest,
-    the readback's wall time, and the ceiling that host time alone allows (1000 / host ms)."""
+    the readback's wall time, and the ceiling that host time alone allows (1000 / host ms).
+    Dispatches, submits and bytes read are counted from the prompt's id to the end, over every
+    id after it (the round run ahead and taken back at the end included)."""
     device = model.gpu.device
     session = model.gpu.session(context=len(prompt) + tokens + 1)
     decoder = model.tokenizer.stream_decoder(at_text_start=False) if model.tokenizer is not None else None
     c = device.counters
-    marks = []
+    marks, counts = [], []
 
     def mark():
-        marks.append((thread_clock(), time.perf_counter(), c.encode_cpu_s, c.read_cpu_s, c.read_wall_s,
-                      c.dispatches, c.submits, c.bytes_read))
+        marks.append((thread_clock(), time.perf_counter(), c.encode_cpu_s, c.read_cpu_s, c.read_wall_s))
 
     try:
         out = Decoded()
         for event in decode(Steps(session, round_tokens=round_tokens, pipeline=pipeline), prompt, out, sampling=Sampling(),
                             budget=tokens, stop_ids=set(), decoder=decoder):
+            if event.id is not None and len(out.ids) == 1:
+                counts.append((c.dispatches, c.submits, c.bytes_read))
             if event.id is not None and len(out.ids) == round_tokens + 1:
                 mark()
         mark()
+        counts.append((c.dispatches, c.submits, c.bytes_read))
     finally:
         session.close()
     if len(marks) < 2:
         raise InputError(f"the host cost needs more than {round_tokens + 1} decode tokens at {round_tokens} a round")
     steps = len(out.ids) - 1 - round_tokens
-    cpu, wall, encode, read_cpu, read_wall, dispatches, submits, read = (
-        (b - a) / steps for a, b in zip(marks[0], marks[-1]))
+    cpu, wall, encode, read_cpu, read_wall = ((b - a) / steps for a, b in zip(marks[0][:5], marks[-1][:5]))
+    dispatches, submits, read = ((b - a) / (len(out.ids) - 1) for a, b in zip(counts[0], counts[-1]))
     host_ms = 1000 * cpu
     return {"tokens_per_round": round_tokens, "pipelined": pipeline and round_tokens > 1, "decoded": len(out.ids),
             "host_cpu_ms_per_token": round(host_ms, 3), "encode_submit_ms": round(1000 * encode, 3),

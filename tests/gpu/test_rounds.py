@@ -126,3 +126,23 @@ def test_rounds_are_pipelined_where_the_rings_reach_back_over_two(needle3_tiny, 
     finally:
         for session in (dense, needle, pooled):
             session.close()
+
+
+@pytest.mark.parametrize("k, pipeline", [(1, True), (4, True), (4, False), (3, True)])
+def test_the_host_cost_counts_every_step_it_ran(synthetic_llama, k, pipeline):
+    """``bench``'s host-cost row: dispatches, submits and bytes read per decoded id are counted
+    over every id after the prompt's (the round run ahead included), so a step's dispatches are
+    the plan's and a round of k is one submit of 4k bytes; 20 ids after the first (with k = 3 the
+    last round has 2 steps)."""
+    from needle_wgpu.cli.bench import host_cost
+    from needle_wgpu.models.session import PlanKey
+    from needle_wgpu.sampling import Sampling
+
+    session = synthetic_llama.gpu.session(context=64)
+    plan = len(session._plan(PlanKey(1, Sampling())).dispatches)
+    session.close()
+    row = host_cost(synthetic_llama, [2, 40, 41, 42], 21, k, pipeline)
+    assert row["decoded"] == 21 and row["pipelined"] == (pipeline and k > 1)
+    assert row["dispatches_per_token"] == plan and row["bytes_read_per_token"] == 4
+    assert row["submits_per_token"] == round(-(-20 // k) / 20, 3)
+    assert row["host_cpu_ms_per_token"] > 0 and row["encode_submit_ms"] > 0
