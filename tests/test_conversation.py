@@ -35,7 +35,7 @@ class Geometry:
 class ScriptedSession:
     """Answers each prefill with the next scripted reply's ids, then EOS."""
 
-    rewindable = True
+    rewindable = restartable = True
 
     def __init__(self, gpu, context):
         self.gpu, self.context, self.position, self.closed = gpu, context or 4096, 0, False
