@@ -317,7 +317,7 @@ def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
     return bits
 
 
-BLOCK = 256  # keys per block of attention.wgsl: one running-max update (4 barriers) each
+BLOCK = 256  # keys per block of attention.wgsl (4 per invocation): one running-max update (4 barriers) each
 SPLIT_KEYS = 256  # cache slots per split range: a decode step's work per workgroup
 MAX_SPLITS = 32  # longer caches get longer ranges, so the partials stay T·H·32 rows
 MAX_ROWS = 32  # rows (query, head) of a tile: one bit each in a key's visibility mask
@@ -347,8 +347,8 @@ def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_byte
     blocks = -(-cache.slots // BLOCK)
     split_blocks = max(SPLIT_KEYS // BLOCK, -(-blocks // MAX_SPLITS))
     splits = -(-blocks // split_blocks)
-    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 3 words
-    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - 3 * BLOCK
+    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 2 words
+    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - 2 * BLOCK
     rows = min(MAX_ROWS, budget // (4 * -(-shape.qk_dim // 4) + BLOCK + 70))
     if rows < 1:
         raise UnsupportedModelError(f"attention: a {shape.qk_dim}-wide query row exceeds the workgroup memory")
