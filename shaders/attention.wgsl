@@ -176,7 +176,9 @@ fn row_sees(r: u32, k0: u32, i: u32, keys: u32) -> vec4<bool> {
   let offsets = vec4<u32>(0u, 1u, 2u, 3u);
   var distance = vec4<u32>(row_phase[r] + slots - k0 - i) - offsets;
   distance = select(distance, distance - vec4<u32>(slots), distance >= vec4<u32>(slots));
-  var sees = vec4<u32>(i) + offsets < vec4<u32>(keys) & distance < vec4<u32>(row_span[r]) & distance <= vec4<u32>(p);
+  // (WGSL's & takes unary operands: each comparison in parentheses)
+  var sees = (vec4<u32>(i) + offsets < vec4<u32>(keys)) & (distance < vec4<u32>(row_span[r])) &
+             (distance <= vec4<u32>(p));
   if (PAD_MASK) {
     let at = select(vec4<u32>(0u), vec4<u32>(p) - distance, sees);
     sees &= vec4<bool>(tokens[at.x] != 0u, tokens[at.y] != 0u, tokens[at.z] != 0u, tokens[at.w] != 0u);
