@@ -166,7 +166,9 @@ class KvCache:
 
     ``range_keys``: the slots ``attention`` attends per workgroup before merging (``tiling``);
     default ``SPLIT_KEYS``, on a CPU adapter (``device.software_rasterizer``) all of them: one
-    pass, no merge. The ranges follow the cache, never the chunk.
+    pass, no merge (a prefill chunk's query tiles are workgroups enough for its few threads; a
+    decode step's 3-odd workgroups leave one of lavapipe's 2 threads partly idle, which ranges of
+    512 would win back at some cost to prefill). The ranges follow the cache, never the chunk.
     """
 
     def __init__(self, device: Device, shape: AttentionShape, context: int, int8: bool = False,
@@ -180,7 +182,7 @@ class KvCache:
         self.kv_heads, self.qk_dim, self.v_dim = shape.kv_heads, shape.qk_dim, shape.v_dim
         self.span = context if shape.window is None else shape.window
         self.slots = context if shape.window is None else min(self.span + chunk - 1, context)
-        if range_keys is None:  # a CPU adapter's few threads gain nothing from more workgroups
+        if range_keys is None:  # CPU adapter: a chunk's query tiles keep its few threads busy; no merge
             range_keys = self.slots if getattr(device, "software_rasterizer", False) else SPLIT_KEYS
         self.range_keys = range_keys
         rows = self.slots * self.kv_heads
