@@ -29,8 +29,8 @@
 //   `partial`: workgroup (s, kv · HEAD_TILES + head tile, query tile) attends the ROWS =
 //   QUERY_TILE · HEAD_TILE rows (query t, head hq of kv head kv) over the slots of range s
 //   only, block by block: scores of every row for the block's keys (each key read once for
-//   all rows), the block max per row, the exponentials, then the weighted values (each value
-//   read once for all rows). The softmax is online across the range's blocks (running max,
+//   all rows; invocation l scores the keys 4l .. 4l + 3), the block max per row, the
+//   exponentials, then the weighted values (each value read once for all rows). The softmax is online across the range's blocks (running max,
 //   sums rescaled when it grows). With SPLITS = 1 the workgroup finishes the rows itself:
 //   o = Σ / sum (then the gate); otherwise it writes its partial (max, sum, weighted values)
 //   to `partials` and entry `merge` (workgroup (hq, t)) combines the SPLITS partials of a row:
@@ -38,18 +38,22 @@
 // - Slot k holds, for a query at p, the position p - ((p - k) mod slots); the key is visible
 //   when that distance is below span and at most p (and, with PAD_MASK, not a pad). A block no
 //   row of the tile sees is skipped. A row's result depends only on its position: the slots,
-//   blocks and ranges do not move with the chunk, and each row's sums run in slot order in
-//   every tile, so a prefill chunk and decode steps give the same bits.
+//   blocks and ranges do not move with the chunk, and each row's sums run in the same order
+//   in every tile, so a prefill chunk and decode steps give the same bits.
 //
 // Keys and values are read four elements at a time (a vec4 of f32 words when the rows are
 // whole vec4s, QUADS; else the words one by one) and dotted with the queries' vec4s: on
 // lavapipe, where a read every invocation makes is a gather, that is a quarter of the reads.
-// The scores and the values accumulate per quad of elements, in the same order in every mode,
-// so an f16 cache of halves gives the bits of an f32 cache holding the same values.
+// For the same reason an invocation holds the K rows of its 4 keys in registers (indices
+// that are constants once the loops are unrolled), so that each query quad it reads serves 4
+// keys, and the scores are kept as vec4s of 4 consecutive keys: one read gives the weighted
+// values 4 weights. The scores and the values accumulate per quad of elements, in the same
+// order in every mode, so an f16 cache of halves gives the bits of an f32 cache holding the
+// same values.
 //
 // Constants: KV_MODE (0 f32, 1 int8, 2 f16), GATE, PAD_MASK (bool), QK_DIM, K_ROW, V_DIM,
 // V_ROW, QUADS (f32 rows of whole vec4s), GROUP (query heads per kv head), BLOCK (keys per
-// block, a multiple of 64), HEAD_TILE, HEAD_TILES (GROUP / HEAD_TILE rounded up), QUERY_TILE,
+// block: 4 per invocation, 256), HEAD_TILE, HEAD_TILES (GROUP / HEAD_TILE rounded up), QUERY_TILE,
 // SPLITS, SPLIT_BLOCKS. Loop bounds are constants where they can be: lavapipe recompiles a
 // shader at every dispatch whose control flow depends on uniform values alone.
 
@@ -86,20 +90,21 @@ struct Params {
 @group(0) @binding(8) var<storage, read> cache_quads: array<vec4<u32>>;  // the cache again, read with QUADS
 
 const THREADS: u32 = 64u;
-const LANE_KEYS: u32 = BLOCK / THREADS;  // keys per invocation for the scores
+const KEY_QUADS: u32 = BLOCK / 4u;  // an invocation's scores are for 4 consecutive keys (BLOCK = 4 · THREADS)
 const ROWS: u32 = QUERY_TILE * HEAD_TILE;
 const Q_QUADS: u32 = (QK_DIM + 3u) / 4u;
 const V_QUADS: u32 = (V_DIM + 3u) / 4u;
-const KEY_GROUPS: u32 = THREADS / V_QUADS;  // invocation (g, c) sums quad c of the keys i ≡ g
+const KEY_GROUPS: u32 = THREADS / V_QUADS;  // invocation (g, c) sums quad c of the key quads ≡ g
 const LOWEST: f32 = -3.0e38;    // the running max before the first key
 const KV_INT8: u32 = 1u;
 const KV_F16: u32 = 2u;
 
 var<workgroup> query: array<vec4<f32>, ROWS * Q_QUADS>;  // the tile's queries, 0 past QK_DIM
-var<workgroup> scores: array<f32, ROWS * BLOCK>;   // a block's scores, its exponentials, at the end the sums
-var<workgroup> seen_by: array<u32, BLOCK>;         // bit r: row r sees the key
-var<workgroup> key_row: array<u32, BLOCK>;         // slot · kv_heads + kv
-var<workgroup> value_scale: array<f32, BLOCK>;     // int8: the key's V scale
+// A block's scores, then its exponentials, by quads of keys ([ROWS][KEY_QUADS]); at the end the
+// weighted values of the key groups.
+var<workgroup> scores: array<vec4<f32>, ROWS * KEY_QUADS>;
+var<workgroup> key_row: array<vec4<u32>, KEY_QUADS>;     // slot · kv_heads + kv
+var<workgroup> value_scale: array<vec4<f32>, KEY_QUADS>; // int8: the key's V scale
 var<workgroup> lane_rows: array<f32, ROWS * THREADS>;  // per row and invocation: its block max, at the end its sum
 var<workgroup> row_max: array<f32, ROWS>;
 var<workgroup> row_rescale: array<f32, ROWS>;
@@ -163,20 +168,31 @@ fn meets(seen: vec2<u32>, k0: u32, len: u32) -> bool {
   return (k0 + slots - seen.x) % slots < seen.y || (seen.x + slots - k0) % slots < len;
 }
 
-// Whether row r sees the key in slot k: the position the slot holds for it is in its window
-// (and, with PAD_MASK, not a pad).
-fn row_sees(r: u32, k: u32) -> bool {
+// Whether row r sees the keys i .. i + 3 of the block at k0 (`keys` of them in the cache): the
+// position each slot holds for the row is in its window (and, with PAD_MASK, not a pad).
+fn row_sees(r: u32, k0: u32, i: u32, keys: u32) -> vec4<bool> {
   let slots = params.cache_slots;
   let p = row_pos[r];
-  var distance = row_phase[r] + slots - k;
-  if (distance >= slots) {
-    distance -= slots;
-  }
-  var sees = distance < row_span[r] && distance <= p;
-  if (PAD_MASK && sees) {
-    sees = tokens[p - distance] != 0u;
+  let offsets = vec4<u32>(0u, 1u, 2u, 3u);
+  var distance = vec4<u32>(row_phase[r] + slots - k0 - i) - offsets;
+  distance = select(distance, distance - vec4<u32>(slots), distance >= vec4<u32>(slots));
+  // (WGSL's & takes unary operands: each comparison in parentheses)
+  var sees = (vec4<u32>(i) + offsets < vec4<u32>(keys)) & (distance < vec4<u32>(row_span[r])) &
+             (distance <= vec4<u32>(p));
+  if (PAD_MASK) {
+    let at = select(vec4<u32>(0u), vec4<u32>(p) - distance, sees);
+    sees &= vec4<bool>(tokens[at.x] != 0u, tokens[at.y] != 0u, tokens[at.z] != 0u, tokens[at.w] != 0u);
   }
   return sees;
+}
+
+// The QK_DIM elements of the key row at word `base`, as quads.
+fn key_quads(base: u32) -> array<vec4<f32>, Q_QUADS> {
+  var x: array<vec4<f32>, Q_QUADS>;
+  for (var w = 0u; w < Q_QUADS; w++) {
+    x[w] = quad(base, w, QK_DIM, K_ROW);
+  }
+  return x;
 }
 
 // Index of row r's partial of range `split` (pairs at 2·index, values at acc_at + index·V_DIM).
@@ -248,55 +264,49 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
     if (seen.x + seen.y <= slots) {
       keys = min(keys, seen.x + seen.y - k0);
     }
-    // 1. Scores of every row for the keys i = lid + 64 m of the block (slot k0 + i).
-    var tops: array<f32, ROWS>;
-    for (var r = 0u; r < ROWS; r++) {
-      tops[r] = LOWEST;
-    }
-    for (var m = 0u; m < LANE_KEYS; m++) {
-      let i = lid + m * THREADS;
-      let k = k0 + i;
-      var mask = 0u;
-      if (i < keys) {
-        let row = k * params.kv_heads + kv;
-        key_row[i] = row;
-        var dots: array<f32, ROWS>;
-        for (var r = 0u; r < ROWS; r++) {
-          dots[r] = 0.0;
-        }
-        let base = params.k_at + row * K_ROW;
-        for (var w = 0u; w < Q_QUADS; w++) {
-          let x = quad(base, w, QK_DIM, K_ROW);
-          for (var r = 0u; r < ROWS; r++) {
-            dots[r] += dot(query[r * Q_QUADS + w], x);
-          }
-        }
-        var key_scale = 1.0;
-        if (KV_MODE == KV_INT8) {
-          key_scale = bitcast<f32>(cache[params.k_scale_at + row]);
-          value_scale[i] = bitcast<f32>(cache[params.v_scale_at + row]);
-        }
-        for (var r = 0u; r < ROWS; r++) {
-          var score = dots[r] * params.scale;
-          if (KV_MODE == KV_INT8) {
-            score = (dots[r] * key_scale) * params.scale;
-          }
-          if (SOFTCAP > 0.0) {  // gemma2: tanh(s · (1 / cap)) · cap, as llama.cpp caps the scores
-            score = tanh(score * SOFTCAP_INV) * SOFTCAP;
-          }
-          if (row_sees(r, k)) {
-            mask |= 1u << r;
-            tops[r] = max(tops[r], score);
-          }
-          scores[r * BLOCK + i] = score;
-        }
-      } else {
-        key_row[i] = kv;  // slot 0: a weight 0 still multiplies a value
+    // 1. Scores of every row for the keys i = 4·lid .. 4·lid + 3 of the block (slots k0 + i):
+    //    their K rows are held in registers, so each query quad read serves 4 keys.
+    let i = 4u * lid;
+    var masks = vec4<u32>(0u);
+    if (i < keys) {
+      let last = keys - 1u;  // a key past the cache's slots reads the last one's row (masked)
+      let k = vec4<u32>(k0 + min(i, last), k0 + min(i + 1u, last), k0 + min(i + 2u, last), k0 + min(i + 3u, last));
+      let rows = k * params.kv_heads + kv;
+      key_row[lid] = rows;
+      var k_x = key_quads(params.k_at + rows.x * K_ROW);
+      var k_y = key_quads(params.k_at + rows.y * K_ROW);
+      var k_z = key_quads(params.k_at + rows.z * K_ROW);
+      var k_w = key_quads(params.k_at + rows.w * K_ROW);
+      var key_scale = vec4<f32>(1.0);
+      if (KV_MODE == KV_INT8) {
+        key_scale = vec4<f32>(bitcast<f32>(cache[params.k_scale_at + rows.x]), bitcast<f32>(cache[params.k_scale_at + rows.y]),
+                              bitcast<f32>(cache[params.k_scale_at + rows.z]), bitcast<f32>(cache[params.k_scale_at + rows.w]));
+        value_scale[lid] = vec4<f32>(bitcast<f32>(cache[params.v_scale_at + rows.x]), bitcast<f32>(cache[params.v_scale_at + rows.y]),
+                                     bitcast<f32>(cache[params.v_scale_at + rows.z]), bitcast<f32>(cache[params.v_scale_at + rows.w]));
       }
-      seen_by[i] = mask;
-    }
-    for (var r = 0u; r < ROWS; r++) {
-      lane_rows[r * THREADS + lid] = tops[r];
+      for (var r = 0u; r < ROWS; r++) {
+        var dots = vec4<f32>(0.0);
+        for (var w = 0u; w < Q_QUADS; w++) {
+          let x = query[r * Q_QUADS + w];
+          dots += vec4<f32>(dot(x, k_x[w]), dot(x, k_y[w]), dot(x, k_z[w]), dot(x, k_w[w]));
+        }
+        var score = dots * params.scale;
+        if (KV_MODE == KV_INT8) {
+          score = (dots * key_scale) * params.scale;
+        }
+        if (SOFTCAP > 0.0) {  // gemma2: tanh(s · (1 / cap)) · cap, as llama.cpp caps the scores
+          score = tanh(score * SOFTCAP_INV) * SOFTCAP;
+        }
+        let sees = row_sees(r, k0, i, keys);
+        masks |= select(vec4<u32>(0u), vec4<u32>(1u << r), sees);
+        let top = select(vec4<f32>(LOWEST), score, sees);
+        lane_rows[r * THREADS + lid] = max(max(top.x, top.y), max(top.z, top.w));
+        scores[r * KEY_QUADS + lid] = score;
+      }
+    } else {  // no key: only the block max needs this invocation's (none)
+      for (var r = 0u; r < ROWS; r++) {
+        lane_rows[r * THREADS + lid] = LOWEST;
+      }
     }
     workgroupBarrier();
     // 2. The running max of row lid.
@@ -314,32 +324,42 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
     for (var r = 0u; r < ROWS; r++) {
       sums[r] *= row_rescale[r];
     }
-    for (var m = 0u; m < LANE_KEYS; m++) {
-      let i = lid + m * THREADS;
-      let mask = seen_by[i];
-      for (var r = 0u; r < ROWS; r++) {
-        var e = 0.0;
-        if ((mask & (1u << r)) != 0u) {
-          e = exp(scores[r * BLOCK + i] - row_max[r]);
-        }
-        scores[r * BLOCK + i] = e;
-        sums[r] += e;
-      }
+    for (var r = 0u; r < ROWS && i < keys; r++) {
+      let sees = (masks & vec4<u32>(1u << r)) != vec4<u32>(0u);
+      let e = select(vec4<f32>(0.0), exp(scores[r * KEY_QUADS + lid] - row_max[r]), sees);
+      scores[r * KEY_QUADS + lid] = e;
+      sums[r] += e.x;
+      sums[r] += e.y;
+      sums[r] += e.z;
+      sums[r] += e.w;
     }
     workgroupBarrier();
-    // 4. Weighted values: quad c of every row over the keys i ≡ g (mod KEY_GROUPS), each
-    //    value read once for all rows.
+    // 4. Weighted values: quad c of every row over the key quads ≡ g (mod KEY_GROUPS), each
+    //    value read once for all rows (a key past the block's keys has weight 0).
     if (g < KEY_GROUPS) {
       for (var r = 0u; r < ROWS; r++) {
         acc[r] *= row_rescale[r];
       }
-      for (var i = g; i < keys; i += KEY_GROUPS) {
-        var v = quad(params.v_at + key_row[i] * V_ROW, c, V_DIM, V_ROW);
+      for (var n = g; 4u * n < keys; n += KEY_GROUPS) {
+        let rows_n = key_row[n];
+        let v_at = params.v_at + rows_n * V_ROW;
+        var v_x = quad(v_at.x, c, V_DIM, V_ROW);
+        var v_y = quad(v_at.y, c, V_DIM, V_ROW);
+        var v_z = quad(v_at.z, c, V_DIM, V_ROW);
+        var v_w = quad(v_at.w, c, V_DIM, V_ROW);
         if (KV_MODE == KV_INT8) {
-          v *= value_scale[i];
+          let v_scale = value_scale[n];
+          v_x *= v_scale.x;
+          v_y *= v_scale.y;
+          v_z *= v_scale.z;
+          v_w *= v_scale.w;
         }
         for (var r = 0u; r < ROWS; r++) {
-          acc[r] += scores[r * BLOCK + i] * v;
+          let e = scores[r * KEY_QUADS + n];
+          acc[r] += e.x * v_x;
+          acc[r] += e.y * v_y;
+          acc[r] += e.z * v_z;
+          acc[r] += e.w * v_w;
         }
       }
     }
@@ -349,9 +369,7 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
   // The key groups' sums, added in group order: scores holds [ROWS][KEY_GROUPS][V_QUADS] quads.
   if (g < KEY_GROUPS) {
     for (var r = 0u; r < ROWS; r++) {
-      for (var e = 0u; e < 4u; e++) {
-        scores[((r * KEY_GROUPS + g) * V_QUADS + c) * 4u + e] = acc[r][e];
-      }
+      scores[(r * KEY_GROUPS + g) * V_QUADS + c] = acc[r];
     }
   }
   for (var r = 0u; r < ROWS; r++) {
@@ -378,7 +396,7 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
     for (var j = lid; j < V_DIM; j += THREADS) {
       var total = 0.0;
       for (var k = 0u; k < KEY_GROUPS; k++) {
-        total += scores[(r * KEY_GROUPS + k) * V_QUADS * 4u + j];
+        total += scores[(r * KEY_GROUPS + k) * V_QUADS + j / 4u][j % 4u];
       }
       if (SPLITS > 1u) {
         partials[params.acc_at + at * V_DIM + j] = total;

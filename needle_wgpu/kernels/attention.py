@@ -163,10 +163,17 @@ class KvCache:
       works on every adapter (lavapipe and SwiftShader included). ``qk_rope`` saturates each
       value to ±65504 (the largest half) and rounds it to the nearest half, ties to even (reference:
       ``reference.dense_attention.kv_f16``); half the bytes of "f32".
+
+    ``range_keys``: the slots ``attention`` attends per workgroup before merging (``tiling``);
+    default ``SPLIT_KEYS``, on a CPU adapter (``device.software_rasterizer``) all of them: one
+    pass, no merge (a prefill chunk's query tiles are workgroups enough for its few threads; a
+    decode step's 3-odd workgroups leave one of lavapipe's 2 threads partly idle, which ranges of
+    512 would win back at some cost to prefill). The ranges follow the cache, never the chunk.
     """
 
     def __init__(self, device: Device, shape: AttentionShape, context: int, int8: bool = False,
-                 chunk: int = DEFAULT_CHUNK, name: str = "kv_cache", mode: str | None = None):
+                 chunk: int = DEFAULT_CHUNK, name: str = "kv_cache", mode: str | None = None,
+                 range_keys: int | None = None):
         mode = ("int8" if int8 else "f32") if mode is None else mode
         if mode not in KV_MODES or (int8 and mode != "int8"):
             raise ValueError(f"KvCache: mode {mode!r} with int8={int8} (modes: {KV_MODES})")
@@ -175,6 +182,9 @@ class KvCache:
         self.kv_heads, self.qk_dim, self.v_dim = shape.kv_heads, shape.qk_dim, shape.v_dim
         self.span = context if shape.window is None else shape.window
         self.slots = context if shape.window is None else min(self.span + chunk - 1, context)
+        if range_keys is None:  # CPU adapter: a chunk's query tiles keep its few threads busy; no merge
+            range_keys = self.slots if getattr(device, "software_rasterizer", False) else SPLIT_KEYS
+        self.range_keys = range_keys
         rows = self.slots * self.kv_heads
         per_word = {"f32": 1, "int8": 4, "f16": 2}[mode]
         self.k_row, self.v_row = -(-self.qk_dim // per_word), -(-self.v_dim // per_word)
@@ -317,8 +327,8 @@ def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
     return bits
 
 
-BLOCK = 256  # keys per block of attention.wgsl: one running-max update (4 barriers) each
-SPLIT_KEYS = 256  # cache slots per split range: a decode step's work per workgroup
+BLOCK = 256  # keys per block of attention.wgsl (4 per invocation): one running-max update (4 barriers) each
+SPLIT_KEYS = 256  # cache slots per split range on a GPU: a decode step's work per workgroup
 MAX_SPLITS = 32  # longer caches get longer ranges, so the partials stay T·H·32 rows
 MAX_ROWS = 32  # rows (query, head) of a tile: one bit each in a key's visibility mask
 
@@ -328,7 +338,7 @@ class Tiling:
     """How ``attention`` cuts a layer's work (attention.wgsl): the cache's slots into
     ``splits`` ranges of ``split_blocks`` blocks of ``BLOCK`` slots, a chunk's queries into
     tiles of ``query_tile``, a kv head's query heads into ``head_tiles`` tiles of ``head_tile``.
-    One range (a cache of at most ``SPLIT_KEYS`` slots) is one pass; more add the merge."""
+    One range (a cache of at most ``cache.range_keys`` slots) is one pass; more add the merge."""
 
     splits: int
     split_blocks: int
@@ -345,10 +355,10 @@ def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_byte
     """The tiling of ``attention`` for a chunk of ``positions`` queries. The ranges depend on the
     cache alone (never on the chunk), so a position's output is the same in any chunk."""
     blocks = -(-cache.slots // BLOCK)
-    split_blocks = max(SPLIT_KEYS // BLOCK, -(-blocks // MAX_SPLITS))
+    split_blocks = max(-(-cache.range_keys // BLOCK), -(-blocks // MAX_SPLITS))
     splits = -(-blocks // split_blocks)
-    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 3 words
-    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - 3 * BLOCK
+    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 2 words
+    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - 2 * BLOCK
     rows = min(MAX_ROWS, budget // (4 * -(-shape.qk_dim // 4) + BLOCK + 70))
     if rows < 1:
         raise UnsupportedModelError(f"attention: a {shape.qk_dim}-wide query row exceeds the workgroup memory")
@@ -392,7 +402,7 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
 
     The work is tiled (``tiling``, attention.wgsl): each workgroup takes a tile of
     queries and query heads of one kv head over one range of cache slots, so its work is
-    bounded whatever the context. A cache of more than ``SPLIT_KEYS`` slots has several ranges:
+    bounded whatever the context. A cache of more than ``cache.range_keys`` slots has several ranges:
     each workgroup writes its partial softmax (max, sum, weighted values) to ``partials``
     (``partials_floats`` floats; one buffer serves every layer, as the layers run in turn) and
     a second dispatch merges them (flash-decoding). A position's output has the same bits

@@ -1,7 +1,8 @@
 """attention.wgsl's tiling at long positions (Needle 3 §4.5 item 8, §6 item 1; dense §3).
 
-A cache of more than 256 slots is attended in ranges of 256 whose partial softmaxes are merged
-(flash-decoding), a chunk's queries in tiles, a kv head's query heads in tiles when they do not
+A cache of more than 256 slots is attended on a GPU in ranges of 256 whose partial softmaxes are
+merged (flash-decoding; a CPU adapter's cache is one range: the cases ask for a GPU's ranges, one
+for a single pass), a chunk's queries in tiles, a kv head's query heads in tiles when they do not
 fit one workgroup. Against the NumPy reference at contexts up to 4,096: queries at the edges of
 the blocks and ranges and chunks that straddle them, windows over a ring that wraps, every cache
 mode, the gate and the pad mask; and each chunk row bit for bit equal to a decode step at its
@@ -21,13 +22,14 @@ from .parity import F32, LONG_GATE, argmax_mismatches, fill_cache, rel, run_atte
 
 pytestmark = pytest.mark.gpu
 
-# name: (shape, cache mode, context, pos0, T, pads)
+# name: (shape, cache mode, context, pos0, T, pads, slots per range)
 CASES = {
-    "f32-global-4096": (AttentionShape(9, 3, 64, 64), "f32", 4096, 4096 - 64, 64, False),
-    "f16-window-ring": (AttentionShape(9, 3, 64, 64, window=300), "f16", 4096, 3990, 16, False),
-    "int8-gate-pads-edges": (AttentionShape(6, 2, 48, 64, gate=True), "int8", 1024, 250, 12, True),
-    "head-tiles": (AttentionShape(32, 1, 256, 256, scale=1 / 16), "f32", 600, 509, 5, False),
-    "odd-widths": (AttentionShape(3, 1, 11, 7, window=700), "f32", 1500, 1020, 8, False),
+    "f32-global-4096": (AttentionShape(9, 3, 64, 64), "f32", 4096, 4096 - 64, 64, False, ops.SPLIT_KEYS),
+    "f32-global-4096-one-pass": (AttentionShape(9, 3, 64, 64), "f32", 4096, 4096 - 64, 64, False, 4096),
+    "f16-window-ring": (AttentionShape(9, 3, 64, 64, window=300), "f16", 4096, 3990, 16, False, ops.SPLIT_KEYS),
+    "int8-gate-pads-edges": (AttentionShape(6, 2, 48, 64, gate=True), "int8", 1024, 250, 12, True, ops.SPLIT_KEYS),
+    "head-tiles": (AttentionShape(32, 1, 256, 256, scale=1 / 16), "f32", 600, 509, 5, False, ops.SPLIT_KEYS),
+    "odd-widths": (AttentionShape(3, 1, 11, 7, window=700), "f32", 1500, 1020, 8, False, ops.SPLIT_KEYS),
 }
 
 
@@ -45,12 +47,12 @@ def entries_of(rng, shape, mode, n):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_long_positions_and_edges(device, name):
-    shape, mode, context, pos0, T, pads = CASES[name]
+    shape, mode, context, pos0, T, pads, range_keys = CASES[name]
     rng = np.random.default_rng(len(name))
     n = pos0 + T
     positions = np.arange(n)
     entries = entries_of(rng, shape, mode, n)
-    cache = ops.KvCache(device, shape, context, chunk=T, mode=mode)
+    cache = ops.KvCache(device, shape, context, chunk=T, mode=mode, range_keys=range_keys)
     kept = positions[positions >= n - cache.slots]
     fill_cache(device, cache, tuple(e[kept] for e in entries), kept)
     q = (rng.normal(size=(T, shape.heads, shape.qk_dim)) * 4.0).astype(F32)
@@ -68,7 +70,7 @@ def test_long_positions_and_edges(device, name):
         keep = ids[:n] != 0
         options["pad_tokens"] = upload(device, ids.astype(np.uint32), "tokens")
     tiles = ops.tiling(shape, cache, T)
-    assert tiles.splits > 1, "the case must merge ranges"
+    assert (tiles.splits > 1) == (range_keys < context), "the case must merge ranges, or be one pass"
     got = run_attention(device, shape, cache, q, pos0, **options)
 
     query_positions = pos0 + np.arange(T)
@@ -92,9 +94,9 @@ def test_long_positions_and_edges(device, name):
 
 def test_tiling_follows_the_cache():
     """The ranges depend on the cache's slots only; chunks change the query tiles alone."""
-    class Cache:  # what tiling reads of a KvCache
-        def __init__(self, slots):
-            self.slots = slots
+    class Cache:  # what tiling reads of a KvCache (a GPU's ranges)
+        def __init__(self, slots, range_keys=ops.SPLIT_KEYS):
+            self.slots, self.range_keys = slots, range_keys
 
     shape = AttentionShape(9, 3, 64, 64)
     for slots, splits in ((64, 1), (256, 1), (257, 2), (4096, 16), (8192, 32), (32768, 32)):
@@ -104,3 +106,14 @@ def test_tiling_follows_the_cache():
     assert wide.head_tile * wide.head_tiles >= 32 and wide.head_tiles > 1
     assert ops.partials_floats(shape, Cache(256), 64) == 0
     assert ops.partials_floats(shape, Cache(1024), 64) == 64 * 9 * 4 * 66
+    assert ops.tiling(shape, Cache(4096, range_keys=4096), 1).splits == 1  # a CPU adapter's: one pass
+
+
+def test_cpu_adapter_attends_in_one_pass(device):
+    """A CPU adapter's cache is one range (its threads gain nothing from more workgroups, and
+    the merge is a dispatch per layer); a GPU's ranges are SPLIT_KEYS slots."""
+    shape = AttentionShape(9, 3, 64, 64)
+    cache = ops.KvCache(device, shape, 4096)
+    want = 4096 if device.software_rasterizer else ops.SPLIT_KEYS
+    assert cache.range_keys == want
+    assert ops.KvCache(device, shape, 4096, range_keys=512).range_keys == 512
