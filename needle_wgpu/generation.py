@@ -107,8 +107,8 @@ class Steps:
         if self.round_tokens > 1 and not session.rewindable:  # a ring rewinds only so far
             self.round_tokens = max(1, min(self.round_tokens, session.max_rewind + 1))
         # At the end a round's unused steps and the whole round ahead are taken back.
-        reach = session.rewindable or 2 * self.round_tokens - 1 <= session.max_rewind
-        self.pipelined = self.pipeline and self.round_tokens > 1 and reach
+        self.pipelined = self.pipeline and self.round_tokens > 1 and (
+            session.rewindable or 2 * self.round_tokens - 1 <= session.max_rewind)
 
     def first(self, ids, sampling, **extra):
         if self.speculator is not None:

@@ -15,9 +15,10 @@ WEBGPU_DEFAULT_LIMITS = Limits(max_storage_binding=128 << 20, max_buffer=256 << 
 class SizingDevice(Device):
     adapter_name = "sizing (allocates nothing)"
 
-    def __init__(self, limits: Limits = WEBGPU_DEFAULT_LIMITS):
+    def __init__(self, limits: Limits = WEBGPU_DEFAULT_LIMITS, software_rasterizer: bool = False):
         super().__init__()
         self.limits = limits
+        self.software_rasterizer = software_rasterizer  # what a session sizes by the adapter's kind
 
     def _create_buffer(self, size, usage, label):
         return None

@@ -113,9 +113,11 @@ def file_warnings(parsed: DenseFile) -> list:
             f"attends to the whole context, as llama.cpp's {g.arch} graph does"]
 
 
-def gpu_bytes(parsed: DenseFile, context: int, kv: str = "f32", limits=WEBGPU_DEFAULT_LIMITS) -> dict:
+def gpu_bytes(parsed: DenseFile, context: int, kv: str = "f32", limits=WEBGPU_DEFAULT_LIMITS,
+              software_rasterizer: bool = False) -> dict:
     """What loading the file and opening one session of ``context`` positions take on a device
-    with ``limits`` (WebGPU's defaults: 128 MiB bindings), by kind, before anything loads: the
+    with ``limits`` (WebGPU's defaults: 128 MiB bindings), a GPU unless ``software_rasterizer``
+    (a CPU adapter attends in one range: no partials), by kind, before anything loads: the
     weights in the file's bits (row-split as ``qmatmul.upload`` splits them; stacked neighbours
     and their parts round differently, by a few 16-byte paddings a tensor) and the session's buffers, counted by opening it on a
     ``SizingDevice``."""
@@ -127,7 +129,7 @@ def gpu_bytes(parsed: DenseFile, context: int, kv: str = "f32", limits=WEBGPU_DE
             weights += -(-t.nbytes // (F32 * ALIGN)) * F32 * ALIGN  # the vectors buffer
         else:
             weights += qmatmul.packed_bytes(name, t.type.name, t.rows, t.row_width, limits.max_storage_binding)
-    sizing = SizingDevice(limits)
+    sizing = SizingDevice(limits, software_rasterizer)
     DenseSession(_SizedModel(g, sizing), context=context, kv=kv)
     session = sizing.counters.bytes_allocated
     out = {"weights": weights, "kv": session.get("kv", 0), "scratch": session.get("scratch", 0) + session.get("session", 0)}

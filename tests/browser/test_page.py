@@ -102,7 +102,7 @@ def test_absurd_numbers_saturate(app):
                                   "max_tokens": 256 - result["promptTokens"],  # what the prompt leaves
                                   "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                                   "frequency_penalty": 0.0, "penalty_last_n": 64, "logit_bias": {},
-                                  "logit_bias_ignored": []}
+                                  "logit_bias_ignored": [], "tokens_per_round": 1}  # SwiftShader: 1 a round
     assert app.get_attribute("#engine-status", "data-state") == "ready"
 
 
