@@ -25,11 +25,12 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
     ends, and so is a chat's when a new chat starts: over 20 requests of each kind (free prompt,
     tool call, a new chat each time, and 20 turns of one chat), after one of each kind the
     device's live bytes are back at their level after every request, and the GPU process (where
-    SwiftShader keeps every GPU buffer) grows by less than 12 MB over the last 10 requests of each
-    kind and 64 MB in all: a session kept per request (Dawn once kept 3.5 MB a request here)
-    would add 35 MB in 10, while the process's own heap and caches may drift by a few MB, more on
-    some machines than others. The tiny model, so that 84 requests take about four minutes on
-    SwiftShader."""
+    SwiftShader keeps every GPU buffer) grows, in the median kind, by less than 12 MB over that
+    kind's last 10 requests, and by less than 96 MB over all 80: a session kept per request (Dawn
+    once kept 3.5 MB a request here) adds 35 MB in every kind's 10 and 280 MB in all. A page that
+    has run other tests first sees the process's heap grow in steps of 4-9 MB at irregular
+    requests of any one kind (a fresh page stays flat), so one kind alone decides nothing. The
+    tiny model, so that 84 requests take about four minutes on SwiftShader."""
     ensure_bundled(app)
     same_chat = 5000
 
@@ -92,9 +93,9 @@ def test_twenty_requests_of_every_kind_leave_gpu_memory_flat(app):
     if rss_before is not None and rss["one chat"] is not None:
         print(f"GPU process: {rss_before / 1e6:.0f} MB after one request of each kind, then after 10 and 20 more of each: " +
               ", ".join(f"{kind} {halfway[kind] / 1e6:.0f} / {rss[kind] / 1e6:.0f} MB" for kind in kinds))
-        late = {kind: rss[kind] - halfway[kind] for kind in kinds}
-        assert max(late.values()) < 12e6, (rss_before, halfway, rss)
-        assert max(rss.values()) - rss_before < 64e6, (rss_before, halfway, rss)
+        late = sorted(rss[kind] - halfway[kind] for kind in kinds)
+        assert (late[1] + late[2]) / 2 < 12e6, (rss_before, halfway, rss)
+        assert max(rss.values()) - rss_before < 96e6, (rss_before, halfway, rss)
 
 
 def test_enter_sends_shift_enter_is_a_newline_escape_stops_and_focus_follows(app, tmp_path):
