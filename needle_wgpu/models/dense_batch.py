@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from ..gpu.device import Binding, Plan, UniformArena, recording
 from ..kernels import attention as attention_ops
-from ..kernels import moe as moe_ops
 from ..kernels import qmatmul
 from .batch import DecodeBatch
 from ..errors import UnsupportedModelError
-from .dense_layers import build_layers, embedding_scale, head, qkv_width
+from .dense_layers import build_layers, embedding_scale, ffn_scratch, head, qkv_width
 
 F32 = 4
 ROW_ALIGN = 64  # floats: a row bound on its own starts on a 256-byte boundary (WebGPU's largest
@@ -32,7 +31,6 @@ class DenseBatch(DecodeBatch):
         self.logit_rows = g.head_rows
         self._start()
         dev, B = self.device, capacity
-        routed = max(1, g.num_experts_used)
         self.o_stride = -(-g.attn_out // ROW_ALIGN) * ROW_ALIGN
 
         def s(width, label):
@@ -44,13 +42,7 @@ class DenseBatch(DecodeBatch):
             self.qkv = s(qkv_width(g), "qkv")
             self.q = dev.buffer(F32 * g.q_dim, label="batch_q", kind="scratch")  # one row: used row by row
             self.o = s(self.o_stride, "attention")
-            self.branch = s(g.d_model, "branch")
-            self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
-            self.act = s(g.ff_dim * routed, "act")
-            if g.is_moe:
-                self.router_logits = s(g.num_experts, "router_logits")
-                self.routes = dev.buffer(moe_ops.routes_bytes(B, routed), label="batch_routes", kind="scratch")
-            self.logits = s(g.head_rows, "logits")
+            ffn_scratch(self, dev, g, B, s)
         self._vectors: dict = {}  # layer -> its qk_rope vectors (norm weights, biases), found by _shared
 
     def _layers(self) -> int:

@@ -38,6 +38,20 @@ def layer_vectors(model, layer: int) -> dict:
     return vectors
 
 
+def ffn_scratch(owner, dev, g, rows: int, s) -> None:
+    """The rows ``build_layers`` and ``head`` write besides the attention's, on ``owner`` (a
+    session or a batch) for ``rows`` positions: ``s(width, label)`` makes a scratch buffer of
+    ``rows`` x ``width`` floats. MoE: each position's gate | up rows per selected expert."""
+    routed = max(1, g.num_experts_used)
+    owner.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
+    owner.gate_up = s(2 * g.ff_dim * routed, "gate_up")
+    owner.act = s(g.ff_dim * routed, "act")
+    if g.is_moe:
+        owner.router_logits = s(g.num_experts, "router_logits")
+        owner.routes = dev.buffer(moe_ops.routes_bytes(rows, routed), label="routes", kind="scratch")
+    owner.logits = s(g.head_rows, "logits")
+
+
 def build_layers(plan: Plan, arena: UniformArena, m, rows, T: int, attend, gemm: bool | None = None) -> None:
     """Every layer over ``T`` rows of the scratch ``rows`` (a session's, or a batch's: the same
     attribute names, ``o_stride`` floats per attention output row), from the embedded rows in

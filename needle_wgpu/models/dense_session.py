@@ -12,11 +12,10 @@ from ..formats.dense_geometry import DenseGeometry
 from ..gpu.device import Binding, Plan, UniformArena
 from ..kernels import attention as attention_ops
 from ..kernels import conv as conv_ops
-from ..kernels import moe as moe_ops
 from ..kernels import qmatmul
 from ..kernels import sample as sample_ops
 from ..pooling import Pool, rows_needed
-from .dense_layers import build_layers, embedding_scale, head, qkv_width
+from .dense_layers import build_layers, embedding_scale, ffn_scratch, head, qkv_width
 from .session import ChunkedSession, PlanKey, session_ids
 
 PREFILL_CHUNK = 64
@@ -89,13 +88,7 @@ class DenseSession(ChunkedSession):
         self.q = s(g.q_dim, "q")
         self.o = s(max(g.attn_out, g.d_model if g.conv_layers else 0), "attention")  # lfm2: the gated conv
         self.o_stride = g.attn_out  # floats per attention-output row (a convolution block's rows: d_model)
-        self.branch = s(g.d_model, "branch")  # Wo and Wdown outputs before the residual add
-        self.gate_up = s(2 * g.ff_dim * routed, "gate_up")
-        self.act = s(g.ff_dim * routed, "act")
-        if g.is_moe:
-            self.router_logits = s(g.num_experts, "router_logits")
-            self.routes = dev.buffer(moe_ops.routes_bytes(T, routed), label="routes", kind="scratch")
-        self.logits = s(g.head_rows, "logits")
+        ffn_scratch(self, dev, g, T, s)
         self.caches = [None if g.is_conv(i) else
                        attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                        for i, shape in enumerate(self.shapes)]
