@@ -41,6 +41,11 @@
 //   blocks and ranges do not move with the chunk, and each row's sums run in the same order
 //   in every tile, so a prefill chunk and decode steps give the same bits.
 //
+// With SEQUENCES the T queries are a batch's rows, each a sequence of its own decoding one
+// position (QUERY_TILE 1): query t is at its row's position in `sequences` and reads the cache
+// at its slot (slot · slot_words words into the bound page), and a dispatch takes only the rows
+// of its page. Each row runs the arithmetic of its own decode step alone, so it gets its bits.
+//
 // Keys and values are read four elements at a time (a vec4 of f32 words when the rows are
 // whole vec4s, QUADS; else the words one by one) and dotted with the queries' vec4s: on
 // lavapipe, where a read every invocation makes is a gather, that is a quarter of the reads.
@@ -54,7 +59,7 @@
 // Constants: KV_MODE (0 f32, 1 int8, 2 f16), GATE, PAD_MASK (bool), QK_DIM, K_ROW, V_DIM,
 // V_ROW, QUADS (f32 rows of whole vec4s), GROUP (query heads per kv head), BLOCK (keys per
 // block: 4 per invocation, 256), HEAD_TILE, HEAD_TILES (GROUP / HEAD_TILE rounded up), QUERY_TILE,
-// SPLITS, SPLIT_BLOCKS. Loop bounds are constants where they can be: lavapipe recompiles a
+// SPLITS, SPLIT_BLOCKS, SEQUENCES and SEQ_ROWS (see above). Loop bounds are constants where they can be: lavapipe recompiles a
 // shader at every dispatch whose control flow depends on uniform values alone.
 
 struct Params {
@@ -73,7 +78,11 @@ struct Params {
   v_scale_at: u32,
   acc_at: u32,        // float offset of the weighted values in partials (the (max, sum) pairs first)
   scale: f32,         // the score scale
+  slot_words: u32,    // SEQUENCES: words between the slots of a page (a slot's cache at slot · slot_words)
+  page: u32,          // SEQUENCES: the page whose rows this dispatch takes
   _pad0: u32,
+  _pad1: u32,
+  _pad2: u32,
 }
 
 //#include include/step.wgsl
@@ -88,6 +97,8 @@ struct Params {
 // [T][H][SPLITS] (max, sum) pairs, then at acc_at [T][H][SPLITS][V_DIM] weighted values
 @group(0) @binding(7) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(8) var<storage, read> cache_quads: array<vec4<u32>>;  // the cache again, read with QUADS
+// SEQUENCES: per query (a batch row) its position, its slot inside the page, its page
+@group(0) @binding(9) var<uniform> sequences: array<vec4<u32>, SEQ_ROWS>;
 
 const THREADS: u32 = 64u;
 const KEY_QUADS: u32 = BLOCK / 4u;  // an invocation's scores are for 4 consecutive keys (BLOCK = 4 · THREADS)
@@ -148,10 +159,32 @@ fn quad(base: u32, c: u32, width: u32, words: u32) -> vec4<f32> {
   return x;
 }
 
+// The position of query t: pos0 + t, or with SEQUENCES its batch row's own.
+fn query_position(t: u32) -> u32 {
+  if (SEQUENCES) {
+    return sequences[t].x;
+  }
+  return chunk.pos0 + t;
+}
+
+// The word offset of query t's cache in the bound buffer: 0, or with SEQUENCES its slot's.
+fn cache_base(t: u32) -> u32 {
+  if (SEQUENCES) {
+    return sequences[t].y * params.slot_words;
+  }
+  return 0u;
+}
+
+// Whether this dispatch takes query t (with SEQUENCES only the rows of its page). A uniform
+// value: the table is a uniform indexed by the workgroup.
+fn taken_here(t: u32) -> bool {
+  return !SEQUENCES || sequences[t].z == params.page;
+}
+
 // The slots holding the positions any row of the tile at t0 sees: a circular range (start, count).
 fn tile_slots(t0: u32) -> vec2<u32> {
-  let first = chunk.pos0 + t0;
-  let last = chunk.pos0 + min(params.positions, t0 + QUERY_TILE) - 1u;
+  let first = query_position(t0);
+  let last = query_position(min(params.positions, t0 + QUERY_TILE) - 1u);
   var lo = 0u;
   if (first + 1u > params.span) {
     lo = first + 1u - params.span;
@@ -222,8 +255,8 @@ fn load_tile(lid: u32, head0: u32, t0: u32) {
   }
   if (lid < ROWS) {
     let t = t0 + lid / HEAD_TILE;
-    row_pos[lid] = chunk.pos0 + t;
-    row_phase[lid] = (chunk.pos0 + t) % params.cache_slots;
+    row_pos[lid] = query_position(t);
+    row_phase[lid] = query_position(t) % params.cache_slots;
     row_span[lid] = select(0u, params.span, t < params.positions && lid % HEAD_TILE < heads_here);
     row_max[lid] = LOWEST;
   }
@@ -235,7 +268,15 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
   let kv = wg.y / HEAD_TILES;
   let head0 = kv * GROUP + (wg.y % HEAD_TILES) * HEAD_TILE;  // first query head of the tile
   let t0 = wg.z * QUERY_TILE;
+  if (!taken_here(t0)) {
+    return;
+  }
   let slots = params.cache_slots;
+  let base = cache_base(t0);  // SEQUENCES: one query a tile, so one slot
+  let k_at = params.k_at + base;
+  let v_at0 = params.v_at + base;
+  let k_scale_at = params.k_scale_at + base;
+  let v_scale_at = params.v_scale_at + base;
   load_tile(lid, head0, t0);
   workgroupBarrier();
   let seen = tile_slots(t0);
@@ -273,16 +314,16 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
       let k = vec4<u32>(k0 + min(i, last), k0 + min(i + 1u, last), k0 + min(i + 2u, last), k0 + min(i + 3u, last));
       let rows = k * params.kv_heads + kv;
       key_row[lid] = rows;
-      var k_x = key_quads(params.k_at + rows.x * K_ROW);
-      var k_y = key_quads(params.k_at + rows.y * K_ROW);
-      var k_z = key_quads(params.k_at + rows.z * K_ROW);
-      var k_w = key_quads(params.k_at + rows.w * K_ROW);
+      var k_x = key_quads(k_at + rows.x * K_ROW);
+      var k_y = key_quads(k_at + rows.y * K_ROW);
+      var k_z = key_quads(k_at + rows.z * K_ROW);
+      var k_w = key_quads(k_at + rows.w * K_ROW);
       var key_scale = vec4<f32>(1.0);
       if (KV_MODE == KV_INT8) {
-        key_scale = vec4<f32>(bitcast<f32>(cache[params.k_scale_at + rows.x]), bitcast<f32>(cache[params.k_scale_at + rows.y]),
-                              bitcast<f32>(cache[params.k_scale_at + rows.z]), bitcast<f32>(cache[params.k_scale_at + rows.w]));
-        value_scale[lid] = vec4<f32>(bitcast<f32>(cache[params.v_scale_at + rows.x]), bitcast<f32>(cache[params.v_scale_at + rows.y]),
-                                     bitcast<f32>(cache[params.v_scale_at + rows.z]), bitcast<f32>(cache[params.v_scale_at + rows.w]));
+        key_scale = vec4<f32>(bitcast<f32>(cache[k_scale_at + rows.x]), bitcast<f32>(cache[k_scale_at + rows.y]),
+                              bitcast<f32>(cache[k_scale_at + rows.z]), bitcast<f32>(cache[k_scale_at + rows.w]));
+        value_scale[lid] = vec4<f32>(bitcast<f32>(cache[v_scale_at + rows.x]), bitcast<f32>(cache[v_scale_at + rows.y]),
+                                     bitcast<f32>(cache[v_scale_at + rows.z]), bitcast<f32>(cache[v_scale_at + rows.w]));
       }
       for (var r = 0u; r < ROWS; r++) {
         var dots = vec4<f32>(0.0);
@@ -342,7 +383,7 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
       }
       for (var n = g; 4u * n < keys; n += KEY_GROUPS) {
         let rows_n = key_row[n];
-        let v_at = params.v_at + rows_n * V_ROW;
+        let v_at = v_at0 + rows_n * V_ROW;
         var v_x = quad(v_at.x, c, V_DIM, V_ROW);
         var v_y = quad(v_at.y, c, V_DIM, V_ROW);
         var v_z = quad(v_at.z, c, V_DIM, V_ROW);
@@ -424,6 +465,9 @@ fn finish(t: u32, hq: u32, j: u32, total: f32, sum: f32) {
 fn merge(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let hq = wg.x;
   let t = wg.y;
+  if (!taken_here(t)) {
+    return;
+  }
   let at = (t * params.heads + hq) * SPLITS;
   var top = LOWEST;
   for (var s = 0u; s < SPLITS; s++) {

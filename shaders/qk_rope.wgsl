@@ -22,7 +22,11 @@
 // layer's norm weights and biases at float offsets (bound only when BIAS or NORM).
 //
 // Constants: HEADS, KV_HEADS, QK_DIM, V_DIM, ROPE, ROPE_HALF, NORM, BIAS, KV_MODE (0 f32, 2 f16),
-// K_ROW, V_ROW (words per cache row), PIO2_1..PIO2_4. Sizes
+// K_ROW, V_ROW (words per cache row), PIO2_1..PIO2_4, SEQUENCES, SEQ_ROWS.
+//
+// With SEQUENCES the T rows are a batch's, each a sequence of its own: row t is at its position
+// in `sequences` and writes K/V at its slot (slot · slot_words words into the bound page); a
+// dispatch takes only the rows of its page. Sizes
 // are constants: lavapipe recompiles a shader at every dispatch whose control flow depends on
 // uniform values alone.
 
@@ -42,7 +46,11 @@ struct Params {
   v_bias_at: u32,
   eps: f32,
   rope_mscale: f32,  // RoPE magnitude m (YaRN / LongRoPE attention factor; 1 otherwise)
+  slot_words: u32,   // SEQUENCES: words between the slots of a page
+  page: u32,         // SEQUENCES: the page whose rows this dispatch takes
   _pad1: u32,
+  _pad2: u32,
+  _pad3: u32,
   freqs: array<vec4<f32>, 32>,  // RoPE inverse frequencies f_j, j < ROPE_HALF
 }
 
@@ -54,6 +62,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read> vectors: array<f32>;
 @group(0) @binding(4) var<storage, read_write> q_out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> cache: array<u32>;
+// SEQUENCES: per row (a batch's) its position, its slot inside the page, its page
+@group(0) @binding(6) var<uniform> sequences: array<vec4<u32>, SEQ_ROWS>;
 
 const THREADS: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
@@ -81,7 +91,15 @@ fn biased(at: u32, bias_at: u32) -> f32 {
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let h = wg.x;
   let t = wg.y;
-  let p = chunk.pos0 + t;
+  var p = chunk.pos0 + t;
+  var base = 0u;  // the word offset of this row's cache in the bound buffer
+  if (SEQUENCES) {  // a uniform condition: the table is a uniform indexed by the workgroup
+    if (sequences[t].z != params.page) {
+      return;
+    }
+    p = sequences[t].x;
+    base = sequences[t].y * params.slot_words;
+  }
   let row = t * params.qkv_stride;
 
   // Which vector: kind 0 q, 1 k, 2 v; its head, width, source and bias offsets.
@@ -171,9 +189,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg: ve
 
   // 4. out: q to q_out, k and v into the cache slot.
   let slot = p % params.cache_slots;
-  var cache_at = params.k_at + (slot * KV_HEADS + head) * K_ROW;
+  var cache_at = base + params.k_at + (slot * KV_HEADS + head) * K_ROW;
   if (kind == 2u) {
-    cache_at = params.v_at + (slot * KV_HEADS + head) * V_ROW;
+    cache_at = base + params.v_at + (slot * KV_HEADS + head) * V_ROW;
   }
   if (kind == 0u) {
     for (var i = lid; i < dim; i += THREADS) {

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..constants import KV_CQ_GROUP, f32, inv_sqrt, pio2_parts, rope_frequencies
 from ..errors import DeviceLimitError, UnsupportedModelError
-from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena
+from ..gpu.device import Binding, Device, KernelKey, Plan, UniformArena, recording
 
 THREADS = 256
 MAX_HEAD_DIM = 256  # q/k and v head widths: one workgroup array each
@@ -173,7 +173,7 @@ class KvCache:
 
     def __init__(self, device: Device, shape: AttentionShape, context: int, int8: bool = False,
                  chunk: int = DEFAULT_CHUNK, name: str = "kv_cache", mode: str | None = None,
-                 range_keys: int | None = None):
+                 range_keys: int | None = None, slot=None):
         mode = ("int8" if int8 else "f32") if mode is None else mode
         if mode not in KV_MODES or (int8 and mode != "int8"):
             raise ValueError(f"KvCache: mode {mode!r} with int8={int8} (modes: {KV_MODES})")
@@ -188,12 +188,14 @@ class KvCache:
         rows = self.slots * self.kv_heads
         per_word = {"f32": 1, "int8": 4, "f16": 2}[mode]
         self.k_row, self.v_row = -(-self.qk_dim // per_word), -(-self.v_dim // per_word)
-        self.k_at = 0
-        self.v_at = rows * self.k_row
+        self.words = rows * (self.k_row + self.v_row) + (2 * rows if self.int8 else 0)
+        # a slab's slot: (buffer, word offset, words between slots) inside a KvSlab page; else its own buffer
+        self.buffer, self.base, self.slot_words = slot if slot is not None else (
+            device.buffer(4 * self.words, label=f"{name}.{mode}", kind="kv"), 0, 0)
+        self.k_at = self.base
+        self.v_at = self.k_at + rows * self.k_row
         self.k_scale_at = self.v_at + rows * self.v_row
         self.v_scale_at = self.k_scale_at + (rows if self.int8 else 0)
-        self.words = self.v_scale_at + (rows if self.int8 else 0)
-        self.buffer = device.buffer(4 * self.words, label=f"{name}.{mode}", kind="kv")
 
     @property
     def nbytes(self) -> int:
@@ -205,11 +207,112 @@ class KvCache:
         """The KV_MODE constant of the shaders."""
         return KV_MODES.index(self.mode)
 
+    def relative(self) -> dict:
+        """The layout's word offsets from the start of the cache (a slab's rows add their slot's)."""
+        return dict(k_at=self.k_at - self.base, v_at=self.v_at - self.base, k_scale_at=self.k_scale_at - self.base,
+                    v_scale_at=self.v_scale_at - self.base)
+
     def check_chunk(self, positions: int) -> None:
         """Refuse chunks longer than this cache was sized for (a local ring would lose keys)."""
         if self.slots < min(self.span + positions - 1, self.context):
             raise DeviceLimitError(f"{self.name}: {self.slots} slots cannot take chunks of {positions} "
                                    f"with a window of {self.span} (make the cache with chunk >= {positions})")
+
+
+class KvSlab:
+    """The K/V caches of up to ``capacity`` sessions of one kind (the same layer shapes, context,
+    prefill chunk and mode) in shared buffers, so that a batched decode step runs qk_rope and
+    attention for all its rows of a page in one dispatch each (``Sequences``).
+
+    Per layer the slots' caches lie one after another, ``slot_words[layer]`` words apart (the
+    cache's words rounded up to a vec4), in pages of ``per_page`` slots: one buffer per page and
+    layer, each within the device's storage-binding limit. A page's buffers are made when its first
+    slot is taken and freed when its last is given back; so is ``partials`` (the merge's rows of a
+    batch of ``capacity``, on caches of several ranges) with the slab's first and last slot.
+    ``shapes``: per layer an ``AttentionShape``, or None for a layer without a cache."""
+
+    def __init__(self, device: Device, shapes: list, context: int, chunk: int, mode: str, capacity: int,
+                 name: str = "kv_slab", range_keys: int | None = None, per_page: int | None = None):
+        self.device, self.shapes, self.capacity, self.name = device, list(shapes), capacity, name
+        self.context, self.chunk, self.mode, self.range_keys = context, chunk, mode, range_keys
+        self.layouts = [None if shape is None else self._cache(shape, "layout", (None, 0, 0)) for shape in self.shapes]
+        self.slot_words = [0 if c is None else -(-c.words // 4) * 4 for c in self.layouts]
+        widest = 4 * max(self.slot_words, default=0) or 16
+        fits = max(1, device.limits.max_storage_binding // widest)  # slots a page's buffer may hold
+        self.per_page = min(capacity, fits, per_page or capacity)
+        self.pages: dict = {}  # page -> its buffers by layer (None for a layer without a cache)
+        self.taken: set = set()
+        self.partials = None
+        attending = [i for i, c in enumerate(self.layouts) if c is not None]
+        self._partials_floats = max((partials_floats(self.shapes[i], self.layouts[i], capacity) for i in attending),
+                                    default=0)
+
+    def _cache(self, shape: AttentionShape, name: str, slot: tuple) -> KvCache:
+        return KvCache(self.device, shape, self.context, chunk=self.chunk, name=name, mode=self.mode,
+                       range_keys=self.range_keys, slot=slot)
+
+    def place(self, slot: int) -> tuple:
+        """(slot inside its page, page): a row's entry in a batch's ``sequences`` table."""
+        return slot % self.per_page, slot // self.per_page
+
+    def take(self) -> int:
+        """A free slot, its page's buffers made if it is the page's first."""
+        free = [s for s in range(self.capacity) if s not in self.taken]
+        if not free:
+            raise DeviceLimitError(f"{self.name}: all {self.capacity} slots are taken")
+        slot = free[0]
+        page = slot // self.per_page
+        dev = self.device
+        with recording([]):  # the slab's, not the session's being made
+            if page not in self.pages:
+                self.pages[page] = [None if words == 0 else
+                                    dev.buffer(4 * words * self.per_page, label=f"{self.name}.{page}.{layer}", kind="kv")
+                                    for layer, words in enumerate(self.slot_words)]
+            if self.partials is None:
+                self.partials = dev.buffer(4 * self._partials_floats, label=f"{self.name}.partials", kind="scratch")
+        self.taken.add(slot)
+        return slot
+
+    def caches(self, slot: int) -> list:
+        """The slot's cache of every layer (None where a layer has none)."""
+        at, page = self.place(slot)
+        return [None if shape is None else
+                self._cache(shape, f"{self.name}[{slot}].{i}", (self.pages[page][i], at * self.slot_words[i],
+                                                                 self.slot_words[i]))
+                for i, shape in enumerate(self.shapes)]
+
+    def page_cache(self, page: int, layer: int) -> KvCache:
+        """A page's first slot of ``layer``: the layout a dispatch over the page's rows binds."""
+        return self._cache(self.shapes[layer], f"{self.name}.{page}.{layer}",
+                           (self.pages[page][layer], 0, self.slot_words[layer]))
+
+    def give(self, slot: int) -> None:
+        """Give a slot back; a page's buffers go with its last slot, ``partials`` with the slab's."""
+        if slot not in self.taken:
+            return
+        self.taken.discard(slot)
+        page = slot // self.per_page
+        if not any(s // self.per_page == page for s in self.taken):
+            self.device.free([b for b in self.pages.pop(page) if b is not None])
+        if not self.taken and self.partials is not None:
+            self.device.free([self.partials])
+            self.partials = None
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The rows of a batched decode step that qk_rope and attention take in one dispatch, each a
+    sequence of its own: ``table`` a uniform of ``rows`` vec4<u32> (per batch row: its position,
+    its slot inside its page, its page, 0), written before each step; the dispatch takes the rows
+    of ``page`` (a row of another page, or 0xFFFFFFFF, is skipped). A row's cache is its slot's
+    (``KvSlab``), its q/k/v, q and output rows are its batch row's."""
+
+    table: object
+    rows: int
+    page: int
+
+
+NO_PAGE = 0xFFFFFFFF  # a batch row whose cache is in no slab: attended on its own
 
 
 def check(shape: AttentionShape, workgroup_bytes: int) -> None:
@@ -351,9 +454,11 @@ class Tiling:
         return self.head_tile * self.query_tile
 
 
-def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_bytes: int = WORKGROUP_BYTES) -> Tiling:
-    """The tiling of ``attention`` for a chunk of ``positions`` queries. The ranges depend on the
-    cache alone (never on the chunk), so a position's output is the same in any chunk."""
+def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_bytes: int = WORKGROUP_BYTES,
+           sequences: bool = False) -> Tiling:
+    """The tiling of ``attention`` for a chunk of ``positions`` queries (or, with ``sequences``, a
+    batch's rows: one query a tile, as a decode step alone). The ranges depend on the cache alone
+    (never on the chunk), so a position's output is the same in any chunk."""
     blocks = -(-cache.slots // BLOCK)
     split_blocks = max(-(-cache.range_keys // BLOCK), -(-blocks // MAX_SPLITS))
     splits = -(-blocks // split_blocks)
@@ -365,7 +470,7 @@ def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_byte
     group = shape.heads // shape.kv_heads
     head_tile = min(group, rows)
     head_tiles = -(-group // head_tile)
-    query_tile = max(1, min(positions, rows // head_tile))
+    query_tile = 1 if sequences else max(1, min(positions, rows // head_tile))
     query_tile = -(-positions // -(-positions // query_tile))  # tiles of equal size
     return Tiling(splits, split_blocks, head_tile, head_tiles, query_tile)
 
@@ -386,7 +491,7 @@ def attention_partials(device: Device, shapes: list, caches: list, chunk: int):
 def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q, cache: KvCache, o,
               positions: int, gate=None, gate_stride: int | None = None, gate_offset: int | None = None,
               int8: bool | None = None, q_stride: int | None = None, o_stride: int | None = None,
-              pad_tokens=None, partials=None, label: str = "attention") -> None:
+              pad_tokens=None, partials=None, sequences: Sequences | None = None, label: str = "attention") -> None:
     """Causal GQA attention of one chunk: o[t][hq·vd + j] = attention(q_t, hq)_j, times
     σ(g[t][gate_offset + hq·vd + j]) when ``shape.gate`` (Needle 3 §4.5 items 8-9, §6 item 1;
     dense §3).
@@ -415,9 +520,16 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     ``pad_tokens`` u32 [context] when given (PAD_MASK: keys at the pad id 0 are skipped, Needle
     3 §U a; otherwise ``q`` is bound again and never read), 7 ``partials`` (in one pass any
     buffer no other binding writes: never written; a 16-byte one is made when none is given), 8
-    the cache buffer again (read as vec4s). Workgroups: (splits, KV · head tiles, query tiles), 64 invocations. Entry ``merge``
-    (with several ranges): bindings 0, 4, 5 and 7; workgroups (H, T). Constants: KV_MODE
-    (``cache.mode_code``), GATE, PAD_MASK, QK_DIM, K_ROW, V_DIM, GROUP and the ``Tiling``.
+    the cache buffer again (read as vec4s), 9 the ``Sequences`` table (uniform; without
+    ``sequences``, ``step`` again, never read). Workgroups: (splits, KV · head tiles, query
+    tiles), 64 invocations. Entry ``merge`` (with several ranges): bindings 0, 4, 5, 7 and 9;
+    workgroups (H, T). Constants: KV_MODE (``cache.mode_code``), GATE, PAD_MASK, QK_DIM, K_ROW,
+    V_DIM, GROUP, the ``Tiling``, SEQUENCES and SEQ_ROWS.
+
+    With ``sequences`` the T = ``positions`` queries are a batch's rows, each a sequence of its
+    own (a decode step each): query t is at its table row's position and reads the cache at its
+    slot (``cache``: the page's first slot, ``KvSlab.page_cache``), one query a tile, so each row
+    gets the bits of its own decode step alone. No PAD_MASK there.
     """
     sh = shape
     int8 = _cache_mode("attention", cache, int8)
@@ -425,7 +537,9 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     cache.check_chunk(positions)
     if sh.gate and gate is None:
         raise ValueError("attention: a gated shape needs the gate rows")
-    tiles = tiling(sh, cache, positions, plan.device.limits.max_workgroup_storage)
+    if sequences is not None and (pad_tokens is not None or sequences.rows < positions):
+        raise ValueError(f"{label}: a batch's rows take no pad mask, and at most {sequences.rows} of them")
+    tiles = tiling(sh, cache, positions, plan.device.limits.max_workgroup_storage, sequences is not None)
     needed = partials_floats(sh, cache, positions)
     if needed and (partials is None or 4 * needed > _bound_bytes(partials)):
         raise ValueError(f"{label}: {cache.name} needs a partials buffer of {4 * needed} bytes "
@@ -437,23 +551,27 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
               ("QUADS", quads), ("GROUP", sh.heads // sh.kv_heads), ("HEAD_TILE", tiles.head_tile),
               ("HEAD_TILES", tiles.head_tiles), ("QUERY_TILE", tiles.query_tile), ("BLOCK", BLOCK),
               ("SPLITS", tiles.splits), ("SPLIT_BLOCKS", tiles.split_blocks),
-              ("SOFTCAP", f32(sh.softcap)), ("SOFTCAP_INV", f32(1.0 / f32(sh.softcap)) if sh.softcap else 0.0))
+              ("SOFTCAP", f32(sh.softcap)), ("SOFTCAP_INV", f32(1.0 / f32(sh.softcap)) if sh.softcap else 0.0),
+              ("SEQUENCES", sequences is not None), ("SEQ_ROWS", 1 if sequences is None else sequences.rows))
     key = KernelKey("attention", "partial", consts)
+    layout = cache.relative() if sequences is not None else dict(k_at=cache.k_at, v_at=cache.v_at,
+                                                                 k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at)
     params = arena.struct(
         key, heads=sh.heads, kv_heads=sh.kv_heads, span=cache.span, cache_slots=cache.slots, positions=positions,
         q_stride=q_stride or sh.q_width, gate_stride=gate_stride or width + sh.out_width,
         gate_offset=width if gate_offset is None else gate_offset, o_stride=o_stride or sh.out_width,
-        k_at=cache.k_at, v_at=cache.v_at, k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at,
-        acc_at=2 * positions * sh.heads * tiles.splits, scale=sh.score_scale)
+        acc_at=2 * positions * sh.heads * tiles.splits, scale=sh.score_scale, slot_words=cache.slot_words,
+        page=0 if sequences is None else sequences.page, **layout)
     gates = gate if sh.gate else q
+    table = step if sequences is None else sequences.table
     # one pass: a binding never written, but not o again (WebGPU forbids writable aliases)
     scratch = partials if partials is not None else plan.device.buffer(16, label="attention_partials")
     plan.add(key, [params, step, q, cache.buffer, gates, o, q if pad_tokens is None else pad_tokens, scratch,
-                   cache.buffer],
+                   cache.buffer, table],
              (tiles.splits, sh.kv_heads * tiles.head_tiles, -(-positions // tiles.query_tile)), label=label)
     if needed:
         merge = KernelKey("attention", "merge", consts)
-        plan.add(merge, [params, None, None, None, gates, o, None, partials], (sh.heads, positions),
+        plan.add(merge, [params, None, None, None, gates, o, None, partials, None, table], (sh.heads, positions),
                  label=f"{label} merge")
 
 
@@ -471,7 +589,7 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
             positions: int, vectors=None, q_norm_at: int = 0, k_norm_at: int = 0, q_bias_at: int = 0,
             k_bias_at: int = 0, v_bias_at: int = 0, qkv_stride: int | None = None, q_offset: int = 0,
             k_offset: int | None = None, v_offset: int | None = None, q_stride: int | None = None,
-            label: str = "qk_rope") -> None:
+            sequences: Sequences | None = None, label: str = "qk_rope") -> None:
     """The dense family's q/k/v after the projections (dense §3): biases, q/k norm, RoPE at the
     absolute position, q out and K/V into the f32 or f16 cache. Reference: ``reference
     .dense_attention.position_heads`` (and ``kv_f16`` of its k and v for an f16 cache).
@@ -492,8 +610,13 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
     v at ``v_offset`` floats; defaults: one q | k | v row), 3 ``vectors`` f32 holding the
     layer's norm weights and biases at the given float offsets (``qkv`` is bound again when the
     shape has neither), 4 ``q_out`` f32 [T][q_stride], 5 the cache buffer (f32 or f16, see
-    ``KvCache``). Workgroups: (H + 2·KV, T), 64 invocations. Requires positions below 2^16
-    when RoPE is on (the angle reduction).
+    ``KvCache``), 6 the ``Sequences`` table (uniform; without ``sequences``, ``step`` again,
+    never read). Workgroups: (H + 2·KV, T), 64 invocations. Requires positions below 2^16 when
+    RoPE is on (the angle reduction).
+
+    With ``sequences`` the T rows are a batch's, each a sequence of its own: row t is at its
+    table row's position and writes its K/V into its slot's cache (``cache``: the page's first
+    slot, ``KvSlab.page_cache``); rows of another page are skipped.
     """
     sh = shape
     if sh.norm == "zc" or sh.conv_taps:
@@ -512,12 +635,18 @@ def qk_rope(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, qkv
     consts = (("HEADS", sh.heads), ("KV_HEADS", sh.kv_heads), ("QK_DIM", sh.qk_dim), ("V_DIM", sh.v_dim),
               ("ROPE", ROPE_CODES[sh.rope]), ("ROPE_HALF", sh.rope_dims // 2), ("NORM", NORM_CODES[sh.norm]),
               ("BIAS", sh.bias), ("KV_MODE", cache.mode_code), ("K_ROW", cache.k_row), ("V_ROW", cache.v_row),
-              *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())))
+              *((f"PIO2_{i + 1}", v) for i, v in enumerate(pio2_parts())),
+              ("SEQUENCES", sequences is not None), ("SEQ_ROWS", 1 if sequences is None else sequences.rows))
+    if sequences is not None and sequences.rows < positions:
+        raise ValueError(f"{label}: {positions} rows, more than the {sequences.rows} of the sequences table")
     key = KernelKey("qk_rope", consts=consts)
+    layout = cache.relative() if sequences is not None else dict(k_at=cache.k_at, v_at=cache.v_at)
     params = arena.struct(
         key, qkv_stride=qkv_stride or sh.q_width + sh.k_width + sh.v_width, q_offset=q_offset, k_offset=k_offset,
-        v_offset=v_offset, q_stride=q_stride or sh.q_width, cache_slots=cache.slots, k_at=cache.k_at,
-        v_at=cache.v_at, q_norm_at=q_norm_at, k_norm_at=k_norm_at, q_bias_at=q_bias_at, k_bias_at=k_bias_at,
-        v_bias_at=v_bias_at, eps=float(sh.eps), rope_mscale=float(sh.rope_mscale), freqs=sh.frequencies())
-    bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer]
+        v_offset=v_offset, q_stride=q_stride or sh.q_width, cache_slots=cache.slots, k_at=layout["k_at"],
+        v_at=layout["v_at"], q_norm_at=q_norm_at, k_norm_at=k_norm_at, q_bias_at=q_bias_at, k_bias_at=k_bias_at,
+        v_bias_at=v_bias_at, eps=float(sh.eps), rope_mscale=float(sh.rope_mscale), slot_words=cache.slot_words,
+        page=0 if sequences is None else sequences.page, freqs=sh.frequencies())
+    bindings = [params, step, qkv, vectors if needs_vectors else qkv, q_out, cache.buffer,
+                step if sequences is None else sequences.table]
     plan.add(key, bindings, (sh.heads + 2 * sh.kv_heads, positions), label=label)

@@ -40,11 +40,12 @@ def download(device, buffer, shape, offset=0):
 
 def read_cache(device, cache):
     """The cache buffer decoded: (k, v) f32 or float16, or (k_i8, k_scale, v_i8, v_scale), per slot."""
-    words = np.frombuffer(device.read(cache.buffer, 4 * cache.words), np.uint32)
+    end = cache.base + cache.words  # a slab's cache lies at its slot's offset
+    words = np.frombuffer(device.read(cache.buffer, 4 * end), np.uint32)
     s, kv, qk, vd = cache.slots, cache.kv_heads, cache.qk_dim, cache.v_dim
     if cache.mode == "f16":
         k = words[cache.k_at : cache.v_at].view(np.float16).reshape(s, kv, 2 * cache.k_row)
-        v = words[cache.v_at : cache.words].view(np.float16).reshape(s, kv, 2 * cache.v_row)
+        v = words[cache.v_at : end].view(np.float16).reshape(s, kv, 2 * cache.v_row)
         assert not k[..., qk:].view(np.uint16).any() and not v[..., vd:].view(np.uint16).any(), \
             "padding halves must stay 0"
         return k[..., :qk], v[..., :vd]
@@ -56,13 +57,13 @@ def read_cache(device, cache):
     v8 = words[cache.v_at : cache.k_scale_at].view(np.int8).reshape(s, kv, 4 * cache.v_row)
     assert not k8[..., qk:].any() and not v8[..., vd:].any(), "padding bytes must stay 0"
     k_scale = words[cache.k_scale_at : cache.v_scale_at].view(F32).reshape(s, kv)
-    v_scale = words[cache.v_scale_at : cache.words].view(F32).reshape(s, kv)
+    v_scale = words[cache.v_scale_at : end].view(F32).reshape(s, kv)
     return k8[..., :qk], k_scale, v8[..., :vd], v_scale
 
 
 def fill_cache(device, cache, entries, positions):
     """Write per-position cache entries straight into the buffer (slot = position mod slots)."""
-    words = np.frombuffer(device.read(cache.buffer, 4 * cache.words), np.uint32).copy()
+    words = np.frombuffer(device.read(cache.buffer, 4 * (cache.base + cache.words)), np.uint32).copy()
     slots = positions % cache.slots
     s, kv = cache.slots, cache.kv_heads
     if cache.int8:

@@ -224,3 +224,91 @@ def test_shape_checks(device):
                      ring_size=8, q_out=buf, cache=cache, positions=4)
     with pytest.raises(UnsupportedModelError):
         AttentionShape(2, 1, 512, 64).check()
+
+
+def _slab_step(device, slab, shape, layer, rows, qkv, sequences_rows=None):
+    """One decode step of the batch ``rows`` (per row: its slot, or None for a row of no slab) at
+    their positions: each row alone (``sequences_rows`` None: qk_rope and attention on its own
+    cache, as a session's decode step) or every row of a page in one dispatch each. Returns o."""
+    sh, B = shape, len(rows)
+    width = sh.q_width + sh.k_width + sh.v_width
+    qkv_buf = upload(device, qkv, "qkv")
+    q = device.buffer(4 * B * sh.q_width, label="q")
+    o = upload(device, np.full((B, sh.out_width), 7.0, F32), "o")  # a skipped row keeps its 7s
+    arena, plan = UniformArena(device, capacity=1 << 14), Plan(device, "slab step")
+    if sequences_rows is None:
+        for b, (slot, position) in enumerate(rows):
+            if slot is None:
+                continue
+            cache = slab.caches(slot)[0]
+            step = Binding(device.buffer(16, label="step", usage="uniform",
+                                         data=np.array([position, 0, 0, 0], np.uint32).tobytes()))
+            partials = ops.attention_partials(device, [sh], [cache], 1)
+            ops.qk_rope(plan, arena, step, shape=sh, qkv=qkv_buf, q_out=q, cache=cache, positions=1,
+                        vectors=layer.vectors, q_offset=b * width, k_offset=b * width + sh.q_width,
+                        v_offset=b * width + sh.q_width + sh.k_width, **layer.offsets)
+            ops.attention(plan, arena, step, shape=sh, q=q, cache=cache,
+                          o=Binding(o, 4 * b * sh.out_width, 4 * sh.out_width), positions=1, partials=partials)
+    else:
+        table = np.zeros((sequences_rows, 4), np.uint32)
+        for b, (slot, position) in enumerate(rows):
+            at, page = slab.place(slot) if slot is not None else (0, ops.NO_PAGE)
+            table[b] = (position, at, page, 0)
+        table_buf = device.buffer(table.nbytes, label="sequences", usage="uniform", data=table.tobytes())
+        for page in sorted({slab.place(slot)[1] for slot, _ in rows if slot is not None}):
+            seqs = ops.Sequences(Binding(table_buf), sequences_rows, page)
+            cache = slab.page_cache(page, 0)
+            ops.qk_rope(plan, arena, Binding(table_buf, 0, 16), shape=sh, qkv=qkv_buf, q_out=q, cache=cache,
+                        positions=B, vectors=layer.vectors, sequences=seqs, **layer.offsets)
+            ops.attention(plan, arena, Binding(table_buf, 0, 16), shape=sh, q=q, cache=cache, o=o, positions=B,
+                          partials=slab.partials, sequences=seqs)
+    device.run(plan)
+    return download(device, o, (B, sh.out_width))
+
+
+@pytest.mark.parametrize("name, window, mode, range_keys", [
+    ("qwen3", None, "f32", None), ("llama", 5, "f32", None), ("gemma2", None, "f16", None),
+    ("partial-neox", None, "f32", 16), ("qwen2", 6, "f16", 16)])
+def test_sequences_rows_get_their_own_bits(device, name, window, mode, range_keys):
+    """A batch's rows in one qk_rope and one attention dispatch per page of a ``KvSlab`` (each row
+    at its own position over its own slot's cache; a row of no slab skipped) give every row the
+    bits of its own decode step alone: the outputs and the K/V written. Pages of 2 slots, so a
+    step takes two pages; ranges of 16 keys exercise the merge."""
+    shape = AttentionShape(**{**SHAPES[name].__dict__, "window": window})
+    rng = np.random.default_rng(7 + len(name))
+    layer = Layer(device, shape, rng)
+    context, lengths = 40, (9, 3, 17)  # positions already in slots 0, 1, 2
+    slabs = [ops.KvSlab(device, [shape], context, 8, mode, capacity=4, range_keys=range_keys, per_page=2)
+             for _ in range(2)]
+    for slab in slabs:
+        assert [slab.take() for _ in range(3)] == [0, 1, 2] and slab.per_page == 2
+    history = [random_qkv(rng, shape, n) for n in lengths]
+    for slab in slabs:  # the same past in both, step by step
+        for slot, past in enumerate(history):
+            for p, row in enumerate(past):
+                _slab_step(device, slab, shape, layer, [(slot, p)], row[None])
+    rows = [(2, lengths[2]), (None, 0), (0, lengths[0]), (1, lengths[1])]
+    own = [history[2]]  # row 0's q/k/v rows by position
+    for step in range(3):
+        qkv = random_qkv(rng, shape, len(rows))
+        own.append(qkv[:1])
+        alone = _slab_step(device, slabs[0], shape, layer, rows, qkv)
+        together = _slab_step(device, slabs[1], shape, layer, rows, qkv, sequences_rows=4)
+        np.testing.assert_array_equal(together, alone)
+        assert (together[1] == 7.0).all()  # the row of no slab: untouched
+        for slot in range(3):
+            for a, b in zip(read_cache(device, slabs[0].caches(slot)[0]), read_cache(device, slabs[1].caches(slot)[0])):
+                np.testing.assert_array_equal(a, b)
+        rows = [(slot, p + 1) if slot is not None else (None, 0) for slot, p in rows]
+    # and the outputs are attention's: row 0 (slot 2) against the reference over its own past
+    own = np.concatenate(own)
+    positions = np.arange(len(own))
+    qh, kh, vh = layer.reference(shape, own, positions)
+    span = window or context
+    want = ref.attend(qh[-1:], positions[-1:], (kh, vh), positions, span, scale=shape.score_scale,
+                      softcap=shape.softcap).reshape(1, -1)
+    assert rel(together[:1], want) <= (GATE if mode == "f32" else 2e-3)
+    for slab in slabs:
+        for slot in range(3):
+            slab.give(slot)
+        assert not slab.pages and slab.partials is None
