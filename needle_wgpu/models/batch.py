@@ -9,13 +9,20 @@ from that session's own state: its token and position (the embedding gather read
 arithmetic (the matmuls keep the per-position GEMV; the per-sequence ops run at T = 1), so a
 sequence's ids are the same in any batch as alone (``tests/gpu/test_batch.py``).
 
-A family provides ``GpuModel.batch(rows)``: a ``DecodeBatch`` subclass that builds three kinds
+A family provides ``GpuModel.batch(rows)``: a ``DecodeBatch`` subclass that builds its kinds
 of pieces (lists of dispatches), each once: ``_shared(B, ...)`` the rows' common work for a
 batch of B (its ``attend`` callback marks where each layer's per-sequence work goes),
-``_row(session, b)`` what row b does as that session (before the layers, then per layer), and
-``_sample(...)`` its sampler. A composition (``BatchKey``) is these pieces put in order, so a
-sequence that joins or leaves costs no new pipeline or bind group once its pieces exist; the
+``_row(session, b)`` what row b does as that session (before the layers, then per layer),
+``_grouped(rows, B)`` per layer the work that rows do together (the dense family: qk_rope and
+attention of the rows whose caches share a ``KvSlab`` page, one dispatch each), and
+``_sample(...)`` each row's sampler. A composition (``BatchKey``) is these pieces put in order, so
+a sequence that joins or leaves costs no new pipeline or bind group once its pieces exist; the
 assembled plans are cached too (bounded, least recently used out).
+
+Before each step the batch writes its ``sequences`` table (a uniform, 16 bytes a row: the row's
+position, and its slot and page in a ``KvSlab``, ``attention.Sequences``), which the grouped
+pieces read; ``session(context, kv)`` makes the sessions a pool hands to the batch (the dense
+family's caches in the batch's slabs).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from ..errors import ContextFullError, InputError
 from ..gpu.device import Binding, Device, Plan, UniformArena, recording
 from ..kernels import sample as sample_ops
+from ..kernels.attention import NO_PAGE
 from ..logprobs import row_values, token_logprob
 from .session import ChunkedSession, session_sampling
 
@@ -74,6 +82,9 @@ class DecodeBatch:
         self._owned: list = []
         with recording(self._owned):
             self.results = self.device.buffer(16 * self.capacity, label="batch_results", kind="session")
+            # per row: position, slot in its KvSlab page, page (NO_PAGE: none), 0
+            self.sequences = self.device.buffer(16 * self.capacity, label="batch_sequences", usage="uniform",
+                                                kind="session")
             self._arena = UniformArena(self.device, capacity=1 << 16, label="uniforms.batch_rows")  # rows, samplers
         self._shared_pieces: dict = {}  # B -> (dispatches, where each layer's per-row work goes, their arena)
         self._rows: dict = {}  # (session, row) -> [what comes before the layers, then one list per layer]
@@ -102,15 +113,32 @@ class DecodeBatch:
     def _layers(self) -> int:
         raise NotImplementedError
 
+    def _grouped(self, rows: tuple, B: int) -> list | None:
+        """Per layer, the dispatches that several of ``rows`` (``BatchRow``s) run together, or
+        None (every row's per-layer work is its own)."""
+        return None
+
+    def _slot(self, session) -> tuple | None:
+        """(slot in its page, page) of a session whose caches are in one of the batch's slabs."""
+        return None
+
+    def session(self, context=None, kv=None):
+        """A session of the batch's model for the pool that feeds it (a family may place its
+        caches where the batch's grouped pieces reach them)."""
+        return self.model.session(context=context, kv=kv)
+
     # ---------------------------------------------------------------- assembly
     def _build(self, key: BatchKey) -> Plan:
         B = len(key.rows)
         shared, marks = self._shared_for(B)
         rows = [self._row_pieces(row.session, b) for b, row in enumerate(key.rows)]
+        grouped = self._grouped(key.rows, B)
         dispatches = [d for row in rows for d in row[0]]
         start = 0
         for layer, mark in enumerate(marks):
             dispatches += shared[start:mark]
+            if grouped is not None:
+                dispatches += grouped[layer]
             for row in rows:
                 dispatches += row[1 + layer]
             start = mark
@@ -183,7 +211,7 @@ class DecodeBatch:
             raise InputError(f"a batched step takes 1 to {self.capacity} sequences, not {len(requests)}")
         if len({id(r.session) for r in requests}) != len(requests):
             raise InputError("a batched step advances each session once")
-        dev, rows = self.device, []
+        dev, rows, table = self.device, [], bytearray()
         for request in requests:
             session = request.session
             session._check()
@@ -192,7 +220,10 @@ class DecodeBatch:
             sampling = session_sampling(request.sampling, self.logit_rows, required=True)
             masked = session._write_mask(request.mask)
             dev.write(session.step_uniform, struct.pack("<4I", session.position, 0, 0, 0))
+            at, page = self._slot(session) or (0, NO_PAGE)
+            table += struct.pack("<4I", session.position, at, page, 0)
             rows.append(BatchRow(session, sampling, masked))
+        dev.write(self.sequences, bytes(table))
         plan = self._plan(BatchKey(tuple(rows)))
         dev.run(plan, copies=[(r.session.result, 0, self.results, 16 * b, 16) for b, r in enumerate(rows)])
         ids = struct.unpack(f"<{4 * len(rows)}I", dev.read(self.results, 16 * len(rows)))[::4]

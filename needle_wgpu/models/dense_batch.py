@@ -2,18 +2,21 @@
 with each row's embedding gather, qk_rope, attention and sampler run on its own session.
 
 Per layer: the norms, q/k/v, Wo and the FFN once over the B rows (q_matmul's GEMV over B
-positions: each row summed exactly as a solo step sums it), then per row qk_rope (its q/k/v
-row, its position, its cache) and attention over its own cache into its attention-output row.
+positions: each row summed exactly as a solo step sums it), then qk_rope (each row's q/k/v row,
+its position, its cache) and attention over each row's own cache into its attention-output row:
+one dispatch each for the rows whose caches share a page of one of the batch's ``KvSlab``s (the
+sessions ``DenseBatch.session`` makes: the server's pool), one per row for any other session.
 """
 
 from __future__ import annotations
 
 from ..gpu.device import Binding, Plan, UniformArena, recording
+from ..errors import UnsupportedModelError
 from ..kernels import attention as attention_ops
 from ..kernels import qmatmul
 from .batch import DecodeBatch
-from ..errors import UnsupportedModelError
 from .dense_layers import build_layers, embedding_scale, ffn_scratch, head, qkv_width
+from .dense_session import DenseSession
 
 F32 = 4
 ROW_ALIGN = 64  # floats: a row bound on its own starts on a 256-byte boundary (WebGPU's largest
@@ -40,10 +43,33 @@ class DenseBatch(DecodeBatch):
             self.x = s(g.d_model, "residual")
             self.h = s(g.d_model, "normed")
             self.qkv = s(qkv_width(g), "qkv")
-            self.q = dev.buffer(F32 * g.q_dim, label="batch_q", kind="scratch")  # one row: used row by row
+            self.q = s(g.q_dim, "q")  # a row attended alone uses row 0
             self.o = s(self.o_stride, "attention")
             ffn_scratch(self, dev, g, B, s)
         self._vectors: dict = {}  # layer -> its qk_rope vectors (norm weights, biases), found by _shared
+        self._slabs: dict = {}  # (context, chunk, mode) -> the KvSlab of the sessions this batch made
+        self._groups: dict = {}  # (slab, page, B) -> (the page's buffers, per layer its dispatches)
+
+    def session(self, context=None, kv=None) -> DenseSession:
+        """A session whose caches are in this batch's slab for its kind (context, chunk, mode),
+        while the slab has a free slot (else its own buffers): its rows attend with the others'."""
+        return DenseSession(self.model, context=context, kv=kv, slabs=self.slab)
+
+    def slab(self, shapes: list, context: int, chunk: int, mode: str):
+        """The slab of ``capacity`` slots for sessions of this kind, or None when it is full."""
+        key = (context, chunk, mode)
+        slab = self._slabs.get(key)
+        if slab is None:
+            slab = self._slabs[key] = attention_ops.KvSlab(self.device, shapes, context, chunk, mode, self.capacity,
+                                                           name=f"kv_slab.{context}.{mode}")
+        return slab if len(slab.taken) < slab.capacity else None
+
+    def close(self) -> None:
+        self._groups.clear()
+        super().close()  # the slabs go with their sessions' slots
+
+    def _slot(self, session):
+        return None if session.slab is None else session.slab.place(session.slot)
 
     def _layers(self) -> int:
         return self.model.geometry.num_layers
@@ -58,6 +84,44 @@ class DenseBatch(DecodeBatch):
         build_layers(plan, arena, m, self, B, mark, gemm=False)
         head(plan, arena, m, self, B, B, gemm=False)
 
+    def _grouped(self, rows: tuple, B: int) -> list | None:
+        """Per layer, qk_rope and attention once for each slab page the rows' caches are in."""
+        pages = list(dict.fromkeys((row.session.slab, self._slot(row.session)[1]) for row in rows
+                                   if row.session.slab is not None))
+        if not pages:
+            return None
+        for key in [key for key, (buffers, _) in self._groups.items() if key[0].pages.get(key[1]) is not buffers]:
+            del self._groups[key]  # a page given back (and maybe made anew): its dispatches bind freed buffers
+        layers = [[] for _ in range(self._layers())]
+        for slab, page in pages:
+            held = self._groups.get((slab, page, B))
+            if held is None:
+                pieces = []
+                for layer in range(self._layers()):
+                    plan = Plan(self.device, f"batch B={B} page {page}")
+                    with recording(self._owned):
+                        self._group(plan, self._arena, slab, page, B, layer)
+                    pieces.append(plan.dispatches)
+                held = self._groups[(slab, page, B)] = (slab.pages[page], pieces)
+            for layer, dispatches in enumerate(held[1]):
+                layers[layer] += dispatches
+        return layers
+
+    def _group(self, plan: Plan, arena: UniformArena, slab, page: int, B: int, layer: int) -> None:
+        """qk_rope and attention of layer ``layer`` for the B rows whose caches are in ``page``."""
+        m, g = self.model, self.model.geometry
+        width, vectors = qkv_width(g), self._vectors[layer]
+        shape, cache = slab.shapes[layer], slab.page_cache(page, layer)
+        rows = attention_ops.Sequences(Binding(self.sequences), self.capacity, page)
+        table = Binding(self.sequences, 0, 16)  # the step binding: read only without sequences
+        attention_ops.qk_rope(plan, arena, table, shape=shape, qkv=self.qkv, q_out=self.q, cache=cache, positions=B,
+                              vectors=m.vector_buffer if vectors else None, qkv_stride=width,
+                              k_offset=g.q_dim, v_offset=g.q_dim + g.k_dim, sequences=rows,
+                              label=f"qk_rope {layer} page {page}", **vectors)
+        attention_ops.attention(plan, arena, table, shape=shape, q=self.q, cache=cache, o=self.o, positions=B,
+                                o_stride=self.o_stride, partials=slab.partials, sequences=rows,
+                                label=f"attention {layer} page {page}")
+
     def _row(self, plan: Plan, arena: UniformArena, session, b: int, layer: int | None) -> None:
         m, g = self.model, self.model.geometry
         step = Binding(session.step_uniform)
@@ -65,6 +129,8 @@ class DenseBatch(DecodeBatch):
             qmatmul.get_rows(plan, arena, m.embedding, session.tokens, self.x, step=step, positions=1,
                              scale=embedding_scale(g), out_stride=g.d_model,
                              out_offset=b * g.d_model)
+            return
+        if session.slab is not None:  # attended with its page's rows (_grouped)
             return
         width = qkv_width(g)
         at = b * width

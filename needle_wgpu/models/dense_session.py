@@ -65,7 +65,10 @@ class DenseSession(ChunkedSession):
 
     supports_mask = True  # the sampler reads self.mask when the plan key says so
 
-    def __init__(self, model, context=None, kv="f32"):
+    def __init__(self, model, context=None, kv="f32", slabs=None):
+        """``slabs``: where a batch keeps its sessions' caches (``DenseBatch.slab``: a
+        ``KvSlab`` for the session's shapes, context, chunk and mode, or None when full); None:
+        the session's own buffers."""
         g = model.geometry
         self.model = model
         self._open(model.device, default_context(g) if context is None else context, g.max_seq_len)
@@ -89,15 +92,25 @@ class DenseSession(ChunkedSession):
         self.o = s(max(g.attn_out, g.d_model if g.conv_layers else 0), "attention")  # lfm2: the gated conv
         self.o_stride = g.attn_out  # floats per attention-output row (a convolution block's rows: d_model)
         ffn_scratch(self, dev, g, T, s)
-        self.caches = [None if g.is_conv(i) else
-                       attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
-                       for i, shape in enumerate(self.shapes)]
+        self.slab = None if slabs is None or g.conv_layers else slabs(self.shapes, self.context, T, mode)
+        if self.slab is not None:  # in a batch's slab: its qk_rope and attention run with its rows'
+            self.slot = self.slab.take()
+            self.caches = self.slab.caches(self.slot)
+        else:
+            self.caches = [None if g.is_conv(i) else
+                           attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
+                           for i, shape in enumerate(self.shapes)]
         attending = [i for i in range(g.num_layers) if not g.is_conv(i)]
         self.partials = attention_ops.attention_partials(dev, [self.shapes[i] for i in attending],
                                                          [self.caches[i] for i in attending], T)
         self.conv_slots = conv_ops.ring_slots(T, g.conv_taps) if g.conv_layers else 0
         self.conv_rings = {i: dev.buffer(F32 * self.conv_slots * g.d_model, label=f"conv_ring.{i}", kind="kv")
                            for i in g.conv_layers}  # lfm2: each block's b·x rows by position (its state)
+
+    def close(self) -> None:
+        super().close()
+        if self.slab is not None:
+            self.slab.give(self.slot)  # its slot's memory goes with the page's last
 
     def embedding(self, ids: list) -> list:
         """The model's pooling of the final hidden states (after the output norm) over ``ids``,

@@ -90,12 +90,13 @@ class BatchingStepper:
         self.model = model
         self.view = copy.copy(model)
         self.view.gpu = PooledGpu(model.gpu, self)
-        self.pool = SequencePool(model.gpu, self.capacity, self.reclaim)
         try:
             self.batch = model.gpu.batch(self.capacity) if model.capabilities.batch else None
         except UnsupportedModelError as exc:  # a geometry the batched step does not take: one by one
             log.warning("model %s: %s", model.gpu.name, exc)
             self.batch = None
+        self.pool = SequencePool(self.batch.session if self.batch is not None else model.gpu.session, self.capacity,
+                                 self.reclaim)
 
     def admit(self, job, model) -> None:
         self.worker = threading.current_thread()

@@ -14,10 +14,12 @@ from ..models.batch import StepRequest
 
 class SequencePool:
     """The model's KV memory: at most ``capacity`` sessions, kept open and reused. Only the
-    worker thread calls it."""
+    worker thread calls it. ``opener(context=, kv=)`` makes a session: the batch's
+    (``DecodeBatch.session``: the dense family keeps the caches in the batch's slab, so its rows
+    attend in one dispatch), else the model's."""
 
-    def __init__(self, gpu, capacity: int, reclaim=None):
-        self.gpu, self.capacity, self.reclaim = gpu, capacity, reclaim
+    def __init__(self, opener, capacity: int, reclaim=None):
+        self.opener, self.capacity, self.reclaim = opener, capacity, reclaim
         self.free: list = []  # (key, session), least recently freed first
         self.in_use: set = set()
 
@@ -34,7 +36,7 @@ class SequencePool:
         if session is None:
             if self.size >= self.capacity and self.free:
                 self.free.pop(0)[1].close()  # another context or kv mode: its memory goes to this one
-            session = self.gpu.session(context=context, kv=kv) if kv is not None else self.gpu.session(context=context)
+            session = self.opener(context=context, kv=kv) if kv is not None else self.opener(context=context)
             session.pool_key = key
         self.in_use.add(session)
         return session

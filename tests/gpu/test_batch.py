@@ -31,12 +31,16 @@ def alone(gpu, prompt, sampling, steps, **extra):
         session.close()
 
 
-def batched(gpu, requests, capacity, **extra):
+def batched(gpu, requests, capacity, slab=False, **extra):
     """Run ``requests`` through one batch of ``capacity`` rows and a pool of ``capacity``
     sessions: each joins at its step (prefilled between steps), leaves when done, and its session
-    is rewound and reused by the next to join."""
+    is rewound and reused by the next to join. ``slab``: the pool's sessions are the batch's
+    (``batch.session``: the dense family's caches in its slab, attended in one dispatch a layer),
+    every other one when "mixed"."""
     batch = gpu.batch(capacity)
-    free = [gpu.session(context=CONTEXT) for _ in range(capacity)]
+    opener = lambda i: batch.session(context=CONTEXT) if slab is True or (slab == "mixed" and i % 2) else \
+        gpu.session(context=CONTEXT)
+    free = [opener(i) for i in range(capacity)]
     pool = list(free)
     active, out, t = {}, {}, 0
     waiting = sorted(range(len(requests)), key=lambda i: requests[i][3])
@@ -51,7 +55,7 @@ def batched(gpu, requests, capacity, **extra):
                 else:  # a ring (sliding window) cannot go back to 0: a fresh session, as the pool does
                     pool.remove(session)
                     session.close()
-                    session = gpu.session(context=CONTEXT)
+                    session = opener(len(pool))
                     pool.append(session)
                 active[i] = session
                 out[i] = [session.prefill(prompt, sampling, **extra)]
@@ -69,13 +73,44 @@ def batched(gpu, requests, capacity, **extra):
             session.close()
 
 
-@pytest.mark.parametrize("capacity", [2, 4])
-def test_batched_ids_are_the_ids_alone(synthetic_llama, capacity):
+@pytest.mark.parametrize("capacity, slab", [(2, False), (4, False), (2, True), (4, True), (4, "mixed")])
+def test_batched_ids_are_the_ids_alone(synthetic_llama, capacity, slab):
     gpu = synthetic_llama.gpu
     expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in REQUESTS]
-    got, built = batched(gpu, REQUESTS, capacity)
+    got, built = batched(gpu, REQUESTS, capacity, slab=slab)
     assert got == expected
     assert built >= 2  # the composition changed as sequences joined and left
+
+
+def test_slab_rows_attend_in_one_dispatch_a_layer(synthetic_llama):
+    """The batch's own sessions share its slab: a step of 3 of them runs qk_rope and attention
+    once a layer for all three (a session of its own buffers still once a row); closing them
+    gives the slab's memory back."""
+    gpu = synthetic_llama.gpu
+    layers = gpu.geometry.num_layers
+    batch = gpu.batch(4)
+    try:
+        pooled = [batch.session(context=CONTEXT) for _ in range(3)]
+        own = gpu.session(context=CONTEXT)
+        for i, session in enumerate(pooled + [own]):
+            session.prefill([3 + i, 4, 5 + i], Sampling())
+        counts = []
+        for rows in (pooled, pooled + [own]):
+            batch.step([StepRequest(session, Sampling()) for session in rows])
+            labels = [d.label for d in next(reversed(batch._plans.values())).dispatches]  # this step's plan
+            counts.append(tuple(sum(label.split()[0] == op and "residual" not in label for label in labels)
+                                for op in ("attention", "qk_rope")))
+        assert counts == [(layers, layers), (2 * layers, 2 * layers)]
+        live = gpu.device.counters.live_bytes
+        slab = pooled[0].slab
+        assert slab is not None and slab is pooled[2].slab and own.slab is None
+        for session in pooled:
+            batch.forget(session)
+            session.close()
+        assert not slab.pages and slab.partials is None and gpu.device.counters.live_bytes < live
+        own.close()
+    finally:
+        batch.close()
 
 
 def test_batched_logprobs_and_masks_are_those_alone(synthetic_llama):
@@ -128,7 +163,7 @@ NEEDLE3_REQUESTS = [
 def test_needle3_batched_ids_are_the_ids_alone(needle3_tiny, capacity):
     gpu = needle3_tiny.gpu
     expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in NEEDLE3_REQUESTS]
-    got, built = batched(gpu, NEEDLE3_REQUESTS, capacity)
+    got, built = batched(gpu, NEEDLE3_REQUESTS, capacity, slab=capacity == 3)  # the batch's sessions: its own
     assert got == expected
     assert built >= 2
 
@@ -138,7 +173,7 @@ def test_smollm2_batched_ids_are_the_ids_alone(smollm2):
     gpu = smollm2.gpu
     requests = [(ids, sampling, 4, join) for ids, sampling, _, join in REQUESTS[:3]]
     expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in requests]
-    got, _ = batched(gpu, requests, 3)
+    got, _ = batched(gpu, requests, 3, slab=True)
     assert got == expected
 
 
@@ -164,7 +199,7 @@ def test_every_architecture_batches_to_its_ids_alone(arch_models, arch):
     assert gpu.capabilities.batch
     requests = [(prompt, sampling, 4, join) for prompt, sampling, _, join in REQUESTS[:4]]
     expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in requests]
-    got, _ = batched(gpu, requests, 3)
+    got, _ = batched(gpu, requests, 3, slab="mixed")
     assert got == expected
 
 
