@@ -251,6 +251,11 @@ class KvSlab:
         return KvCache(self.device, shape, self.context, chunk=self.chunk, name=name, mode=self.mode,
                        range_keys=self.range_keys, slot=slot)
 
+    @property
+    def idle_slots(self) -> int:
+        """Slots whose memory is allocated (their page's) but that no session holds."""
+        return len(self.pages) * self.per_page - len(self.taken)
+
     def place(self, slot: int) -> tuple:
         """(slot inside its page, page): a row's entry in a batch's ``sequences`` table."""
         return slot % self.per_page, slot // self.per_page

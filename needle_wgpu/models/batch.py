@@ -122,6 +122,11 @@ class DecodeBatch:
         """(slot in its page, page) of a session whose caches are in one of the batch's slabs."""
         return None
 
+    def idle_slots(self) -> int:
+        """Sequences' worth of KV memory the batch holds for sessions not open (a family that
+        allocates its sessions' caches in pages: a page's free slots)."""
+        return 0
+
     def session(self, context=None, kv=None):
         """A session of the batch's model for the pool that feeds it (a family may place its
         caches where the batch's grouped pieces reach them)."""

@@ -55,6 +55,9 @@ class DenseBatch(DecodeBatch):
         while the slab has a free slot (else its own buffers): its rows attend with the others'."""
         return DenseSession(self.model, context=context, kv=kv, slabs=self.slab)
 
+    def idle_slots(self) -> int:
+        return sum(slab.idle_slots for slab in self._slabs.values())
+
     def slab(self, shapes: list, context: int, chunk: int, mode: str):
         """The slab of ``capacity`` slots for sessions of this kind, or None when it is full."""
         key = (context, chunk, mode)

@@ -80,7 +80,11 @@ class BatchingStepper:
 
     # ------------------------------------------------------------------ the worker thread
     def sequences_in_use(self) -> int:
-        return self.pool.size if self.pool is not None else 0
+        """Sequences' worth of KV memory the model holds: the pool's open sessions, and the free
+        slots of the pages its batch allocated them in."""
+        if self.pool is None:
+            return 0
+        return self.pool.size + (self.batch.idle_slots() if self.batch is not None else 0)
 
     def _bind(self, model) -> None:
         """The model's view, pool and batch (again after a reload: the old ones were on the

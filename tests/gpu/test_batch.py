@@ -90,7 +90,11 @@ def test_slab_rows_attend_in_one_dispatch_a_layer(synthetic_llama):
     layers = gpu.geometry.num_layers
     batch = gpu.batch(4)
     try:
+        kv = gpu.device.counters.bytes_allocated.get("kv", 0)
         pooled = [batch.session(context=CONTEXT) for _ in range(3)]
+        slot_bytes = 4 * sum(pooled[0].slab.slot_words)
+        # the page of 4 slots is made with the first: one slot's worth free, counted as held
+        assert batch.idle_slots() == 1 and gpu.device.counters.bytes_allocated["kv"] - kv == 4 * slot_bytes
         own = gpu.session(context=CONTEXT)
         for i, session in enumerate(pooled + [own]):
             session.prefill([3 + i, 4, 5 + i], Sampling())
