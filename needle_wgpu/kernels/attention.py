@@ -165,10 +165,10 @@ class KvCache:
       ``reference.dense_attention.kv_f16``); half the bytes of "f32".
 
     ``range_keys``: the slots ``attention`` attends per workgroup before merging (``tiling``);
-    default ``SPLIT_KEYS``, on a CPU adapter (``device.software_rasterizer``) all of them: one
-    pass, no merge (a prefill chunk's query tiles are workgroups enough for its few threads; a
-    decode step's 3-odd workgroups leave one of lavapipe's 2 threads partly idle, which ranges of
-    512 would win back at some cost to prefill). The ranges follow the cache, never the chunk.
+    default ``SPLIT_KEYS``, on a CPU adapter (``device.software_rasterizer``) ``CPU_SPLIT_KEYS``
+    (a decode step's 3-odd workgroups of one range leave one of lavapipe's 2 threads partly
+    idle; ranges of 512 keep both busy past 512 slots, for a merge dispatch a layer and a
+    slightly slower prefill chunk). The ranges follow the cache, never the chunk.
     """
 
     def __init__(self, device: Device, shape: AttentionShape, context: int, int8: bool = False,
@@ -183,7 +183,7 @@ class KvCache:
         self.span = context if shape.window is None else shape.window
         self.slots = context if shape.window is None else min(self.span + chunk - 1, context)
         if range_keys is None:  # CPU adapter: a chunk's query tiles keep its few threads busy; no merge
-            range_keys = self.slots if getattr(device, "software_rasterizer", False) else SPLIT_KEYS
+            range_keys = CPU_SPLIT_KEYS if getattr(device, "software_rasterizer", False) else SPLIT_KEYS
         self.range_keys = range_keys
         rows = self.slots * self.kv_heads
         per_word = {"f32": 1, "int8": 4, "f16": 2}[mode]
@@ -437,6 +437,9 @@ def check_kv_cq(shape: AttentionShape, kv_levels: tuple) -> int:
 
 BLOCK = 256  # keys per block of attention.wgsl (4 per invocation): one running-max update (4 barriers) each
 SPLIT_KEYS = 256  # cache slots per split range on a GPU: a decode step's work per workgroup
+# on a CPU adapter (lavapipe, 2 threads; BENCHMARKS.md "Attention that scales"): 30 layers' decode
+# attention over 1,024 keys 33.8 ms in ranges of 512, 36.1 in ranges of 256, 39.0 in one range
+CPU_SPLIT_KEYS = 512
 MAX_SPLITS = 32  # longer caches get longer ranges, so the partials stay T·H·32 rows
 MAX_ROWS = 32  # rows (query, head) of a tile: one bit each in a key's visibility mask
 

@@ -117,7 +117,7 @@ def gpu_bytes(parsed: DenseFile, context: int, kv: str = "f32", limits=WEBGPU_DE
               software_rasterizer: bool = False) -> dict:
     """What loading the file and opening one session of ``context`` positions take on a device
     with ``limits`` (WebGPU's defaults: 128 MiB bindings), a GPU unless ``software_rasterizer``
-    (a CPU adapter attends in one range: no partials), by kind, before anything loads: the
+    (a CPU adapter attends in ranges of 512 slots, a GPU in ranges of 256: their partials), by kind, before anything loads: the
     weights in the file's bits (row-split as ``qmatmul.upload`` splits them; stacked neighbours
     and their parts round differently, by a few 16-byte paddings a tensor) and the session's buffers, counted by opening it on a
     ``SizingDevice``."""

@@ -109,11 +109,14 @@ def test_tiling_follows_the_cache():
     assert ops.tiling(shape, Cache(4096, range_keys=4096), 1).splits == 1  # a CPU adapter's: one pass
 
 
-def test_cpu_adapter_attends_in_one_pass(device):
-    """A CPU adapter's cache is one range (its threads gain nothing from more workgroups, and
-    the merge is a dispatch per layer); a GPU's ranges are SPLIT_KEYS slots."""
+def test_cpu_adapter_ranges(device):
+    """A CPU adapter's cache is ranges of CPU_SPLIT_KEYS slots (one pass up to 512: its few
+    threads are busy enough), a GPU's of SPLIT_KEYS."""
     shape = AttentionShape(9, 3, 64, 64)
     cache = ops.KvCache(device, shape, 4096)
-    want = 4096 if device.software_rasterizer else ops.SPLIT_KEYS
+    want = ops.CPU_SPLIT_KEYS if device.software_rasterizer else ops.SPLIT_KEYS
     assert cache.range_keys == want
+    if device.software_rasterizer:
+        assert ops.tiling(shape, ops.KvCache(device, shape, 512), 1).splits == 1
+        assert ops.tiling(shape, cache, 1).splits == 4096 // ops.CPU_SPLIT_KEYS
     assert ops.KvCache(device, shape, 4096, range_keys=512).range_keys == 512
