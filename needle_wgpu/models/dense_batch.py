@@ -53,12 +53,12 @@ class DenseBatch(DecodeBatch):
     def session(self, context=None, kv=None) -> DenseSession:
         """A session whose caches are in this batch's slab for its kind (context, chunk, mode),
         while the slab has a free slot (else its own buffers): its rows attend with the others'."""
-        return DenseSession(self.model, context=context, kv=kv, slabs=self.slab)
+        return DenseSession(self.model, context=context, kv=kv, slabs=self.slab_for)
 
     def idle_slots(self) -> int:
         return sum(slab.idle_slots for slab in self._slabs.values())
 
-    def slab(self, shapes: list, context: int, chunk: int, mode: str):
+    def slab_for(self, shapes: list, context: int, chunk: int, mode: str):
         """The slab of ``capacity`` slots for sessions of this kind, or None when it is full."""
         key = (context, chunk, mode)
         slab = self._slabs.get(key)

@@ -66,7 +66,7 @@ class DenseSession(ChunkedSession):
     supports_mask = True  # the sampler reads self.mask when the plan key says so
 
     def __init__(self, model, context=None, kv="f32", slabs=None):
-        """``slabs``: where a batch keeps its sessions' caches (``DenseBatch.slab``: a
+        """``slabs``: where a batch keeps its sessions' caches (``DenseBatch.slab_for``: a
         ``KvSlab`` for the session's shapes, context, chunk and mode, or None when full); None:
         the session's own buffers."""
         g = model.geometry
@@ -93,19 +93,20 @@ class DenseSession(ChunkedSession):
         self.o_stride = g.attn_out  # floats per attention-output row (a convolution block's rows: d_model)
         ffn_scratch(self, dev, g, T, s)
         self.slab = None if slabs is None or g.conv_layers else slabs(self.shapes, self.context, T, mode)
-        if self.slab is not None:  # in a batch's slab: its qk_rope and attention run with its rows'
-            self.slot = self.slab.take()
-            self.caches = self.slab.caches(self.slot)
-        else:
+        if self.slab is None:
             self.caches = [None if g.is_conv(i) else
                            attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                            for i, shape in enumerate(self.shapes)]
         attending = [i for i in range(g.num_layers) if not g.is_conv(i)]
+        layouts = self.caches if self.slab is None else self.slab.layouts
         self.partials = attention_ops.attention_partials(dev, [self.shapes[i] for i in attending],
-                                                         [self.caches[i] for i in attending], T)
+                                                         [layouts[i] for i in attending], T)
         self.conv_slots = conv_ops.ring_slots(T, g.conv_taps) if g.conv_layers else 0
         self.conv_rings = {i: dev.buffer(F32 * self.conv_slots * g.d_model, label=f"conv_ring.{i}", kind="kv")
                            for i in g.conv_layers}  # lfm2: each block's b·x rows by position (its state)
+        if self.slab is not None:  # last, so a failure above holds no slot: its rows attend with the batch's
+            self.slot = self.slab.take()
+            self.caches = self.slab.caches(self.slot)
 
     def close(self) -> None:
         super().close()
