@@ -225,22 +225,26 @@ class KvSlab:
     attention for all its rows of a page in one dispatch each (``Sequences``).
 
     Per layer the slots' caches lie one after another, ``slot_words[layer]`` words apart (the
-    cache's words rounded up to a vec4), in pages of ``per_page`` slots: one buffer per page and
-    layer, each within the device's storage-binding limit. A page's buffers are made when its first
-    slot is taken and freed when its last is given back; so is ``partials`` (the merge's rows of a
-    batch of ``capacity``, on caches of several ranges) with the slab's first and last slot.
-    ``shapes``: per layer an ``AttentionShape``, or None for a layer without a cache."""
+    cache's words rounded up to a vec4), in pages of ``per_page`` slots (the last page holds what
+    is left of ``capacity``): one buffer per page and layer, each within the device's
+    storage-binding limit. A page's buffers are made when its first slot is taken and freed when
+    its last is given back; so is ``partials`` (the merge's rows of a batch of ``capacity``, on
+    caches of several ranges) with the slab's first and last slot. Pages are known to the
+    shaders by id, ``first_page`` + the page's index: a batch gives each of its slabs its own
+    ids. ``shapes``: per layer an ``AttentionShape``, or None for a layer without a cache."""
 
     def __init__(self, device: Device, shapes: list, context: int, chunk: int, mode: str, capacity: int,
-                 name: str = "kv_slab", range_keys: int | None = None, per_page: int | None = None):
+                 name: str = "kv_slab", range_keys: int | None = None, per_page: int | None = None,
+                 first_page: int = 0):
         self.device, self.shapes, self.capacity, self.name = device, list(shapes), capacity, name
         self.context, self.chunk, self.mode, self.range_keys = context, chunk, mode, range_keys
+        self.first_page = first_page
         self.layouts = [None if shape is None else self._cache(shape, "layout", (None, 0, 0)) for shape in self.shapes]
         self.slot_words = [0 if c is None else -(-c.words // 4) * 4 for c in self.layouts]
         widest = 4 * max(self.slot_words, default=0) or 16
         fits = max(1, device.limits.max_storage_binding // widest)  # slots a page's buffer may hold
         self.per_page = min(capacity, fits, per_page or capacity)
-        self.pages: dict = {}  # page -> its buffers by layer (None for a layer without a cache)
+        self.pages: dict = {}  # page index -> its buffers by layer (None for a layer without a cache)
         self.taken: set = set()
         self.partials = None
         attending = [i for i, c in enumerate(self.layouts) if c is not None]
@@ -252,13 +256,25 @@ class KvSlab:
                        range_keys=self.range_keys, slot=slot)
 
     @property
+    def slot_bytes(self) -> int:
+        """One slot's bytes over every layer."""
+        return 4 * sum(self.slot_words)
+
+    def _page_slots(self, index: int) -> int:
+        return min(self.per_page, self.capacity - index * self.per_page)
+
+    @property
     def idle_slots(self) -> int:
         """Slots whose memory is allocated (their page's) but that no session holds."""
-        return len(self.pages) * self.per_page - len(self.taken)
+        return sum(self._page_slots(index) for index in self.pages) - len(self.taken)
 
     def place(self, slot: int) -> tuple:
-        """(slot inside its page, page): a row's entry in a batch's ``sequences`` table."""
-        return slot % self.per_page, slot // self.per_page
+        """(slot inside its page, page id): a row's entry in a batch's ``sequences`` table."""
+        return slot % self.per_page, self.first_page + slot // self.per_page
+
+    def page_buffers(self, page: int) -> list | None:
+        """The buffers of page id ``page`` by layer, None while the page is not made."""
+        return self.pages.get(page - self.first_page)
 
     def take(self) -> int:
         """A free slot, its page's buffers made if it is the page's first."""
@@ -266,39 +282,48 @@ class KvSlab:
         if not free:
             raise DeviceLimitError(f"{self.name}: all {self.capacity} slots are taken")
         slot = free[0]
-        page = slot // self.per_page
-        dev = self.device
-        with recording([]):  # the slab's, not the session's being made
-            if page not in self.pages:
-                self.pages[page] = [None if words == 0 else
-                                    dev.buffer(4 * words * self.per_page, label=f"{self.name}.{page}.{layer}", kind="kv")
-                                    for layer, words in enumerate(self.slot_words)]
-            if self.partials is None:
-                self.partials = dev.buffer(4 * self._partials_floats, label=f"{self.name}.partials", kind="scratch")
+        index, dev, made = slot // self.per_page, self.device, []
+        try:
+            with recording(made):  # the slab's, not the session's being made
+                if index not in self.pages:
+                    slots = self._page_slots(index)
+                    self.pages[index] = [None if words == 0 else
+                                         dev.buffer(4 * words * slots, label=f"{self.name}.{index}.{layer}", kind="kv")
+                                         for layer, words in enumerate(self.slot_words)]
+                if self.partials is None:
+                    self.partials = dev.buffer(4 * self._partials_floats, label=f"{self.name}.partials",
+                                               kind="scratch")
+        except BaseException:
+            if not any(s // self.per_page == index for s in self.taken):
+                self.pages.pop(index, None)
+            if not self.taken:
+                self.partials = None
+            dev.free(made)
+            raise
         self.taken.add(slot)
         return slot
 
     def caches(self, slot: int) -> list:
         """The slot's cache of every layer (None where a layer has none)."""
         at, page = self.place(slot)
+        buffers = self.page_buffers(page)
         return [None if shape is None else
-                self._cache(shape, f"{self.name}[{slot}].{i}", (self.pages[page][i], at * self.slot_words[i],
-                                                                 self.slot_words[i]))
+                self._cache(shape, f"{self.name}[{slot}].{i}", (buffers[i], at * self.slot_words[i], self.slot_words[i]))
                 for i, shape in enumerate(self.shapes)]
 
     def page_cache(self, page: int, layer: int) -> KvCache:
-        """A page's first slot of ``layer``: the layout a dispatch over the page's rows binds."""
+        """Page id ``page``'s first slot of ``layer``: the layout a dispatch over the page's rows binds."""
         return self._cache(self.shapes[layer], f"{self.name}.{page}.{layer}",
-                           (self.pages[page][layer], 0, self.slot_words[layer]))
+                           (self.page_buffers(page)[layer], 0, self.slot_words[layer]))
 
     def give(self, slot: int) -> None:
         """Give a slot back; a page's buffers go with its last slot, ``partials`` with the slab's."""
         if slot not in self.taken:
             return
         self.taken.discard(slot)
-        page = slot // self.per_page
-        if not any(s // self.per_page == page for s in self.taken):
-            self.device.free([b for b in self.pages.pop(page) if b is not None])
+        index = slot // self.per_page
+        if not any(s // self.per_page == index for s in self.taken):
+            self.device.free([b for b in self.pages.pop(index) if b is not None])
         if not self.taken and self.partials is not None:
             self.device.free([self.partials])
             self.partials = None

@@ -127,6 +127,10 @@ class DecodeBatch:
         allocates its sessions' caches in pages: a page's free slots)."""
         return 0
 
+    def idle_bytes(self) -> int:
+        """The bytes of those slots."""
+        return 0
+
     def session(self, context=None, kv=None):
         """A session of the batch's model for the pool that feeds it (a family may place its
         caches where the batch's grouped pieces reach them)."""

@@ -110,8 +110,9 @@ class DenseSession(ChunkedSession):
 
     def close(self) -> None:
         super().close()
-        if self.slab is not None:
-            self.slab.give(self.slot)  # its slot's memory goes with the page's last
+        if self.slab is not None and self.slot is not None:
+            self.slab.give(self.slot)  # once: its slot's memory goes with the page's last
+            self.slot = None
 
     def embedding(self, ids: list) -> list:
         """The model's pooling of the final hidden states (after the output norm) over ``ids``,

@@ -80,11 +80,13 @@ class BatchingStepper:
 
     # ------------------------------------------------------------------ the worker thread
     def sequences_in_use(self) -> int:
-        """Sequences' worth of KV memory the model holds: the pool's open sessions, and the free
-        slots of the pages its batch allocated them in."""
-        if self.pool is None:
-            return 0
-        return self.pool.size + (self.batch.idle_slots() if self.batch is not None else 0)
+        """The pool's open sessions."""
+        return self.pool.size if self.pool is not None else 0
+
+    def idle_kv_bytes(self) -> int:
+        """KV memory the model's batch holds for sessions not open: the free slots of the pages
+        its pool's sessions are in."""
+        return self.batch.idle_bytes() if self.batch is not None else 0
 
     def _bind(self, model) -> None:
         """The model's view, pool and batch (again after a reload: the old ones were on the

@@ -117,9 +117,10 @@ class Scheduler:
     def gauges(self) -> dict:
         with self.cond:
             active = len(self.stepper.active)
-            held = getattr(self.stepper, "sequences_in_use", lambda: active)()  # the pool's open sessions
+            held = self.stepper.sequences_in_use()  # the pool's open sessions
             return {"queue_depth": len(self.queue), "active_sequences": active,
-                    "kv_bytes_in_use": active * self.kv_bytes, "kv_pool_bytes": held * self.kv_bytes,
+                    "kv_bytes_in_use": active * self.kv_bytes,
+                    "kv_pool_bytes": held * self.kv_bytes + self.stepper.idle_kv_bytes(),
                     "kv_pool_sequences": self.stepper.capacity, "prefix_cache_bytes": self.prefix_cache.cached_bytes()}
 
     def begin_shutdown(self, grace_s: float) -> None:

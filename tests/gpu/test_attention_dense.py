@@ -268,18 +268,18 @@ def _slab_step(device, slab, shape, layer, rows, qkv, sequences_rows=None):
 
 @pytest.mark.parametrize("name, window, mode, range_keys", [
     ("qwen3", None, "f32", None), ("llama", 5, "f32", None), ("gemma2", None, "f16", None),
-    ("partial-neox", None, "f32", 16), ("qwen2", 6, "f16", 16)])
+    ("partial-neox", None, "f32", None), ("qwen2", 6, "f16", None)])
 def test_sequences_rows_get_their_own_bits(device, name, window, mode, range_keys):
     """A batch's rows in one qk_rope and one attention dispatch per page of a ``KvSlab`` (each row
     at its own position over its own slot's cache; a row of no slab skipped) give every row the
     bits of its own decode step alone: the outputs and the K/V written. Pages of 2 slots, so a
-    step takes two pages; ranges of 16 keys exercise the merge."""
+    step takes two pages (the slab's page ids start at 5, as a batch's second slab's might)."""
     shape = AttentionShape(**{**SHAPES[name].__dict__, "window": window})
     rng = np.random.default_rng(7 + len(name))
     layer = Layer(device, shape, rng)
     context, lengths = 40, (9, 3, 17)  # positions already in slots 0, 1, 2
-    slabs = [ops.KvSlab(device, [shape], context, 8, mode, capacity=4, range_keys=range_keys, per_page=2)
-             for _ in range(2)]
+    slabs = [ops.KvSlab(device, [shape], context, 8, mode, capacity=4, range_keys=range_keys, per_page=2,
+                        first_page=5) for _ in range(2)]
     for slab in slabs:
         assert [slab.take() for _ in range(3)] == [0, 1, 2] and slab.per_page == 2
     history = [random_qkv(rng, shape, n) for n in lengths]
@@ -312,3 +312,33 @@ def test_sequences_rows_get_their_own_bits(device, name, window, mode, range_key
         for slot in range(3):
             slab.give(slot)
         assert not slab.pages and slab.partials is None
+
+
+@pytest.mark.parametrize("name, window, mode", [("qwen3", None, "f32"), ("gemma2", None, "f16"), ("llama", 700, "f32"),
+                                                ("qwen2", 600, "f16")])
+def test_sequences_rows_merge_their_ranges(device, name, window, mode):
+    """Caches of several ranges (1,100 slots in ranges of 256, or a window's ring): a batch's rows
+    in one dispatch per page, each at its own position up to 1,000, write their partials to the
+    slab's ``partials`` and merge them with the bits of their own decode steps alone."""
+    shape = AttentionShape(**{**SHAPES[name].__dict__, "window": window})
+    rng = np.random.default_rng(3 + len(name))
+    layer = Layer(device, shape, rng)
+    slabs = [ops.KvSlab(device, [shape], 1100, 8, mode, capacity=4, range_keys=256, per_page=2) for _ in range(2)]
+    for slab in slabs:
+        assert [slab.take() for _ in range(3)] == [0, 1, 2]
+    assert ops.tiling(shape, slabs[0].layouts[0], 1).splits > 1 and slabs[0].partials.size > 16
+    for slot in range(3):  # random cache contents, the same in both slabs
+        words = slabs[0].layouts[0].words
+        data = (rng.normal(size=2 * words).astype(np.float16) if mode == "f16" else
+                rng.normal(size=words).astype(F32)).view(np.uint32)
+        for slab in slabs:
+            cache = slab.caches(slot)[0]
+            device.write(cache.buffer, data.tobytes(), 4 * cache.base)
+    rows = [(2, 1000), (None, 0), (0, 700), (1, 200)]
+    for _ in range(2):
+        qkv = random_qkv(rng, shape, len(rows))
+        alone = _slab_step(device, slabs[0], shape, layer, rows, qkv)
+        together = _slab_step(device, slabs[1], shape, layer, rows, qkv, sequences_rows=4)
+        np.testing.assert_array_equal(together, alone)
+        assert (together[1] == 7.0).all() and np.isfinite(together).all()
+        rows = [(slot, p + 1) if slot is not None else (None, 0) for slot, p in rows]

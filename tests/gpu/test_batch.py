@@ -155,6 +155,36 @@ def test_batch_refusals(synthetic_llama):
             session.close()
 
 
+def test_slab_kinds_other_batches_and_double_close(synthetic_llama):
+    """One kind at a time in the batch's slab: a session of another context, and one in another
+    batch's slab, step in the same batch on their own buffers' path, each with its ids alone; a
+    session closed twice gives its slot back once (never another session's)."""
+    gpu = synthetic_llama.gpu
+    batch, other = gpu.batch(4), gpu.batch(4)
+    prompts = ([1, 5, 9, 13], [2, 7, 30], [3, 4, 5, 6, 7], [40, 41])
+    expected = [alone(gpu, prompt, Sampling(), 6) for prompt in prompts]
+    try:
+        sessions = [batch.session(context=CONTEXT), batch.session(context=48), other.session(context=CONTEXT),
+                    batch.session(context=CONTEXT)]
+        assert sessions[0].slab is sessions[3].slab is not None and sessions[1].slab is None
+        assert sessions[2].slab is not None and sessions[2].slab is not sessions[0].slab
+        got = [[session.prefill(prompt, Sampling())] for session, prompt in zip(sessions, prompts)]
+        for _ in range(6):
+            for out, token in zip(got, batch.step([StepRequest(session, Sampling()) for session in sessions])):
+                out.append(token)
+        assert got == expected
+        first, last = sessions[0], sessions[3]
+        batch.forget(first)
+        first.close()
+        again = batch.session(context=CONTEXT)  # takes the slot the first gave back
+        first.close()  # a second close: nothing more
+        assert again.slot is not None and again.slot in again.slab.taken and last.slot in last.slab.taken
+        assert batch.session(context=CONTEXT).slot not in (again.slot, last.slot)
+    finally:
+        batch.close()
+        other.close()
+
+
 NEEDLE3_REQUESTS = [
     ([1, 5, 9, 13], Sampling(), STEPS, 0),
     ([2, 7, 7, 7, 7, 7, 30, 31, 32], Sampling.saturate(temperature=0.8, seed=5), 4, 0),
