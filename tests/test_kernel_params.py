@@ -166,11 +166,12 @@ def struct_calls():
 
 
 def uniform_structs() -> set:
-    """(family, struct name) of every ``var<uniform>`` of every kernel but the session's Step."""
+    """(family, struct name) of every ``var<uniform>`` of every kernel but the session's Step and
+    a batch's ``sequences`` table (an array the batch writes before each step)."""
     found = set()
     for path in SHADERS.glob("*.wgsl"):
         for struct_name in re.findall(r"var<uniform>\s+\w+\s*:\s*(\w+)", shader_source(path.stem)):
-            if struct_name != "Step":
+            if struct_name not in ("Step", "array"):
                 found.add((path.stem, struct_name))
     return found
 

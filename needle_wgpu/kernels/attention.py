@@ -587,14 +587,15 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
               ("SOFTCAP", f32(sh.softcap)), ("SOFTCAP_INV", f32(1.0 / f32(sh.softcap)) if sh.softcap else 0.0),
               ("SEQUENCES", sequences is not None), ("SEQ_ROWS", 1 if sequences is None else sequences.rows))
     key = KernelKey("attention", "partial", consts)
-    layout = cache.relative() if sequences is not None else dict(k_at=cache.k_at, v_at=cache.v_at,
-                                                                 k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at)
+    at = cache.relative() if sequences is not None else dict(k_at=cache.k_at, v_at=cache.v_at,
+                                                             k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at)
     params = arena.struct(
         key, heads=sh.heads, kv_heads=sh.kv_heads, span=cache.span, cache_slots=cache.slots, positions=positions,
         q_stride=q_stride or sh.q_width, gate_stride=gate_stride or width + sh.out_width,
         gate_offset=width if gate_offset is None else gate_offset, o_stride=o_stride or sh.out_width,
+        k_at=at["k_at"], v_at=at["v_at"], k_scale_at=at["k_scale_at"], v_scale_at=at["v_scale_at"],
         acc_at=2 * positions * sh.heads * tiles.splits, scale=sh.score_scale, slot_words=cache.slot_words,
-        page=0 if sequences is None else sequences.page, **layout)
+        page=0 if sequences is None else sequences.page)
     gates = gate if sh.gate else q
     table = step if sequences is None else sequences.table
     # one pass: a binding never written, but not o again (WebGPU forbids writable aliases)
