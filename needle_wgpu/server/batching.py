@@ -64,10 +64,13 @@ class _Call:
 class BatchingStepper:
     """Admits up to ``capacity`` jobs (the KV pool's sequences) and advances them together."""
 
-    def __init__(self, finish, capacity: int = 8, reclaim=None):
+    def __init__(self, finish, capacity: int = 8, reclaim=None, served=None):
         self.capacity = max(1, int(capacity))
         self.finish = finish  # finish(job, error or None): the scheduler's bookkeeping
         self.reclaim = reclaim  # frees one pool session held outside the jobs (the prefix cache's oldest)
+        # the (context, kv) the model's requests decode at: their sessions are the batch's (its slab);
+        # a session of another kind (an embedding's, sized to its input) is the model's own. None: any
+        self.served = served
         self.active: list = []
         self.device_lost = False
         self.cond = threading.Condition()
@@ -101,8 +104,14 @@ class BatchingStepper:
         except UnsupportedModelError as exc:  # a geometry the batched step does not take: one by one
             log.warning("model %s: %s", model.gpu.name, exc)
             self.batch = None
-        self.pool = SequencePool(self.batch.session if self.batch is not None else model.gpu.session, self.capacity,
-                                 self.reclaim)
+        self.pool = SequencePool(self._open, self.capacity, self.reclaim)
+
+    def _open(self, context=None, kv=None):
+        """A pool's new session: the batch's for the served kind (its rows attend together)."""
+        if self.batch is not None and (self.served is None or (context, kv) == self.served):
+            return self.batch.session(context=context, kv=kv)
+        return self.model.gpu.session(context=context, kv=kv) if kv is not None else \
+            self.model.gpu.session(context=context)
 
     def admit(self, job, model) -> None:
         self.worker = threading.current_thread()

@@ -20,7 +20,8 @@ class ModelHost:
         self.schedulers = {spec.name: Scheduler(spec.name, _loader(spec), max_queue=config.limits.max_queue,
                                                 max_sequences=config.limits.max_sequences,
                                                 metrics=metrics, probe_kv=_kv_probe(spec),
-                                                prefix_cache_bytes=config.limits.prefix_cache_bytes)
+                                                prefix_cache_bytes=config.limits.prefix_cache_bytes,
+                                                served=(spec.context, spec.kv))
                            for spec in config.models}
         self.names = {}  # every name a request may use -> the served name
         for spec in config.models:

@@ -14,9 +14,9 @@ from ..models.batch import StepRequest
 
 class SequencePool:
     """The model's KV memory: at most ``capacity`` sessions, kept open and reused. Only the
-    worker thread calls it. ``opener(context=, kv=)`` makes a session: the batch's
-    (``DecodeBatch.session``: the dense family keeps the caches in the batch's slab, so its rows
-    attend in one dispatch), else the model's."""
+    worker thread calls it. ``opener(context=, kv=)`` makes a session (the stepper's: the
+    batch's for the served kind, ``DecodeBatch.session``, whose caches the dense family keeps in
+    the batch's slab so that its rows attend in one dispatch; else the model's)."""
 
     def __init__(self, opener, capacity: int, reclaim=None):
         self.opener, self.capacity, self.reclaim = opener, capacity, reclaim
@@ -36,7 +36,7 @@ class SequencePool:
         if session is None:
             if self.size >= self.capacity and self.free:
                 self.free.pop(0)[1].close()  # another context or kv mode: its memory goes to this one
-            session = self.opener(context=context, kv=kv) if kv is not None else self.opener(context=context)
+            session = self.opener(context=context, kv=kv)
             session.pool_key = key
         self.in_use.add(session)
         return session

@@ -72,7 +72,7 @@ class Scheduler:
     ``api.Model``; ``kv_bytes`` is then one sequence's KV cache in bytes (for the metrics)."""
 
     def __init__(self, name: str, load: Callable, *, max_queue: int, metrics=None, probe_kv: Callable = None,
-                 prefix_cache_bytes: int = 0, max_sequences: int = 8):
+                 prefix_cache_bytes: int = 0, max_sequences: int = 8, served=None):
         self.name, self.load, self.max_queue, self.metrics = name, load, max_queue, metrics
         self.probe_kv = probe_kv
         self.prefix_cache = PrefixCache(prefix_cache_bytes)  # the worker thread's alone
@@ -82,7 +82,8 @@ class Scheduler:
         self.queue: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.finish_lock = threading.Lock()
-        self.stepper = BatchingStepper(self._finish, max_sequences, reclaim=self.prefix_cache.evict_oldest)
+        self.stepper = BatchingStepper(self._finish, max_sequences, reclaim=self.prefix_cache.evict_oldest,
+                                       served=served)  # (context, kv) of the model's chats and completions
         self.accepting, self.stopping = True, False
         self.ready = threading.Event()
         self.mean_request_s = 1.0  # for Retry-After: a running average of request time

@@ -50,10 +50,17 @@ def test_features_of_concurrent_requests_are_those_alone_and_a_leaver_leaves_alo
     config = ServerConfig(models=models(tiny_gguf), limits=Limits(max_sequences=8, prefix_cache_bytes=0))
     with live_server(config) as (url, runner):
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            client.embeddings.create(model="tiny", input="first of all")  # a session sized to its input, first
             alone = [answer_of(client.chat.completions.create(**body)) for body in CHATS]
             alone.append(answer_of(client.completions.create(**COMPLETION)))
         stepper = runner.config.app.state.host.schedulers["tiny"].stepper
         before = (stepper.steps, stepper.rows)
+        # the served kind's sessions are the batch's (its slab: one attention dispatch a layer), the
+        # embedding's its own (once the worker has taken every session back into the pool)
+        wait_until(lambda: not stepper.pool.in_use and len(stepper.pool.free) >= 2, what="the sessions given back")
+        kinds = {key: session.slab for key, session in list(stepper.pool.free)}
+        assert kinds[(512, None)] is not None and kinds[(512, None)] is stepper.batch._slab
+        assert [slab for key, slab in kinds.items() if key != (512, None)] == [None]
 
         async def together():
             async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
