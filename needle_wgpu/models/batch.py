@@ -85,10 +85,10 @@ class DecodeBatch:
             # per row: position, slot in its KvSlab page, page (NO_PAGE: none), 0
             self.sequences = self.device.buffer(16 * self.capacity, label="batch_sequences", usage="uniform",
                                                 kind="session")
-            self._arena = UniformArena(self.device, capacity=1 << 16, label="uniforms.batch_rows")  # rows, samplers
         self._shared_pieces: dict = {}  # B -> (dispatches, where each layer's per-row work goes, their arena)
-        self._rows: dict = {}  # (session, row) -> [what comes before the layers, then one list per layer]
-        self._samplers: dict = {}  # (session, row, sampling, masked) -> the sampler's dispatches
+        # each with the buffers its pieces own (their parameters), freed when ``forget`` drops it:
+        self._rows: dict = {}  # (session, row) -> ([before the layers, then one list per layer], owned)
+        self._samplers: dict = {}  # (session, row, sampling, masked) -> (the sampler's dispatches, owned)
         self.plans_built = 0
 
     # ---------------------------------------------------------------- a family's pieces
@@ -175,24 +175,26 @@ class DecodeBatch:
     def _row_pieces(self, session, b: int) -> list:
         held = self._rows.get((session, b))
         if held is None:
-            held = []
-            for layer in (None, *range(self._layers())):
-                plan = Plan(self.device, f"batch row {b}")
-                with recording(self._owned):
-                    self._row(plan, self._arena, session, b, layer)
-                held.append(plan.dispatches)
-            self._rows[(session, b)] = held
-        return held
+            pieces, owned = [], []
+            with recording(owned):
+                arena = UniformArena(self.device, capacity=1 << 14, label=f"uniforms.batch_row{b}")
+                for layer in (None, *range(self._layers())):
+                    plan = Plan(self.device, f"batch row {b}")
+                    self._row(plan, arena, session, b, layer)
+                    pieces.append(plan.dispatches)
+            held = self._rows[(session, b)] = (pieces, owned)
+        return held[0]
 
     def _sampler_pieces(self, row: BatchRow, b: int) -> list:
         key = (row.session, b, row.sampling, row.masked)
         held = self._samplers.get(key)
-        if held is None:
-            plan = Plan(self.device, f"batch sampler {b}")
-            with recording(self._owned):
-                self._sample(plan, self._arena, row, b)
-            held = self._samplers[key] = plan.dispatches
-        return held
+        if held is None:  # a request's sampling: its own parameters, freed with it
+            owned, plan = [], Plan(self.device, f"batch sampler {b}")
+            with recording(owned):
+                self._sample(plan, UniformArena(self.device, capacity=1 << 12, label=f"uniforms.batch_sampler{b}"),
+                             row, b)
+            held = self._samplers[key] = (plan.dispatches, owned)
+        return held[0]
 
     def _plan(self, key: BatchKey) -> Plan:
         plan = self._plans.pop(key, None)
@@ -210,7 +212,7 @@ class DecodeBatch:
             del self._plans[key]
         for cache in (self._rows, self._samplers):
             for key in [key for key in cache if key[0] is session]:
-                del cache[key]
+                self.device.free(cache.pop(key)[1])
 
     def step(self, requests: list) -> list:
         """One decode step of every request's session (``StepRequest``s, distinct sessions of this
@@ -248,6 +250,9 @@ class DecodeBatch:
         return out
 
     def close(self) -> None:
+        for cache in (self._rows, self._samplers):
+            for _, owned in cache.values():
+                self.device.free(owned)
         for cache in (self._plans, self._shared_pieces, self._rows, self._samplers):
             cache.clear()
         self.device.free(self._owned)

@@ -31,6 +31,7 @@ class PlanKey:
 
 
 GREEDY = Sampling()
+MAX_PLANS = 24  # a session's cached plans (chunk lengths, samplings, options), least recently used out
 
 
 def clamp_context(context, limit: int) -> int:
@@ -103,7 +104,7 @@ class ChunkedSession:
         self.device = device
         self.context = clamp_context(context, limit)
         self.position = 0
-        self._plans: dict = {}
+        self._plans: dict = {}  # PlanKey -> (plan, the buffers it owns), least recently used first
         self._closed = False
         self._owned = self.__dict__.get("_owned", [])  # the buffers close() frees
         self.step_uniform = device.buffer(16, label="step", usage="uniform", kind="session")
@@ -117,11 +118,20 @@ class ChunkedSession:
         raise NotImplementedError
 
     def _plan(self, key: PlanKey) -> Plan:
-        plan = self._plans.get(key)
-        if plan is None:
-            with recording(self._owned):  # its uniform arena and per-plan buffers
-                plan = self._plans[key] = self._build(key)
-        return plan
+        """The cached plan of ``key``, built at its first use. At most ``MAX_PLANS`` are kept: a
+        long-lived session (a server's pooled one, a conversation) meets a new sampling, with
+        its values baked into its plans, at every request, so the least recently used plan goes,
+        and the buffers it owns (its uniform arena, a logit-bias table) with it."""
+        held = self._plans.pop(key, None)
+        if held is None:
+            owned: list = []
+            with recording(owned):
+                held = (self._build(key), owned)
+        self._plans[key] = held
+        while len(self._plans) > MAX_PLANS:
+            _, dropped = self._plans.pop(next(iter(self._plans)))
+            self.device.free(dropped)
+        return held[0]
 
     def _check(self) -> None:
         if self._closed:
@@ -355,6 +365,8 @@ class ChunkedSession:
         plans' uniforms; never the model's weights nor the device's shared scratch), once its
         plans are gone. A closed session refuses further calls."""
         self._closed = True
+        for _, plan_owned in self.__dict__.get("_plans", {}).values():
+            self.device.free(plan_owned)
         self._plans.clear()
         owned = self.__dict__.get("_owned", [])
         owned += [value for value in vars(self).values() if isinstance(value, Buffer)]  # made lazily elsewhere

@@ -185,6 +185,32 @@ def test_slab_kinds_other_batches_and_double_close(synthetic_llama):
         other.close()
 
 
+def test_forgotten_requests_leave_the_batch_flat(synthetic_llama):
+    """A server's requests each bring a sampling of their own into the batch's sampler pieces:
+    ``forget`` at a request's end frees them, so the device's live bytes stay where the first
+    request left them."""
+    gpu = synthetic_llama.gpu
+    batch = gpu.batch(2)
+    sessions = [batch.session(context=CONTEXT) for _ in range(2)]
+    try:
+        levels = []
+        for seed in range(5):
+            sampling = Sampling.saturate(temperature=0.9, seed=seed, logit_bias={5: 1.0 + seed})
+            for session in sessions:  # the sessions' own plans: one greedy prefill
+                session.rewind(0)
+                session.prefill([1, 2, 3 + seed], Sampling())
+            for _ in range(2):
+                batch.step([StepRequest(session, sampling) for session in sessions])
+            for session in sessions:
+                batch.forget(session)
+            levels.append(gpu.device.counters.live_bytes)
+        assert levels[1:] == levels[1:2] * 4, levels
+    finally:
+        for session in sessions:
+            session.close()
+        batch.close()
+
+
 NEEDLE3_REQUESTS = [
     ([1, 5, 9, 13], Sampling(), STEPS, 0),
     ([2, 7, 7, 7, 7, 7, 30, 31, 32], Sampling.saturate(temperature=0.8, seed=5), 4, 0),

@@ -132,3 +132,27 @@ def test_buffers_written_then_freed_without_a_submit_release_their_memory(device
     for _ in range(40):
         round_trip()
     assert resident() - before < 64 << 20, (before, resident())  # 40 rounds hold 320 MB if kept
+
+
+def test_a_long_lived_session_keeps_a_bounded_number_of_plans(dense):
+    """A pooled session or a conversation meets a new sampling (its values baked into the plans)
+    at every request: the session keeps at most MAX_PLANS plans, freeing the least recently used
+    one's buffers, so its memory stops growing; a plan dropped and needed again is rebuilt alike."""
+    from needle_wgpu.models.session import MAX_PLANS
+
+    session = dense.gpu.session(context=64)
+    try:
+        levels, first = [], None
+        for seed in range(MAX_PLANS + 12):
+            sampling = Sampling.saturate(temperature=0.8, seed=seed, logit_bias={5: 1.0})
+            session.rewind(0)
+            ids = [session.prefill([1, 2, 3], sampling), session.step(sampling)]
+            first = ids if first is None else first
+            levels.append(live(dense))
+        assert len(session._plans) <= MAX_PLANS
+        assert levels[-1] == levels[MAX_PLANS // 2 + 2]  # flat once the cache is full (2 plans a request)
+        session.rewind(0)
+        sampling = Sampling.saturate(temperature=0.8, seed=0, logit_bias={5: 1.0})
+        assert [session.prefill([1, 2, 3], sampling), session.step(sampling)] == first  # rebuilt, same ids
+    finally:
+        session.close()
