@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ..errors import ContextFullError, InputError
 from ..gpu.device import Binding, Device, Plan, UniformArena, recording
 from ..kernels import sample as sample_ops
-from ..kernels.attention import NO_PAGE
+from ..kernels.attention import NO_PAGE, KvSlab
 from ..logprobs import row_values, token_logprob
 from .session import ChunkedSession, session_sampling
 
@@ -76,6 +76,9 @@ class DecodeBatch:
     capacity: int
     logit_rows: int
     logits: object
+    # a family whose sessions made by ``session`` keep their caches in the batch's ``KvSlab``, and
+    # whose rows of a slab page attend in one dispatch a layer (``_group``)
+    groups_rows = False
 
     def _start(self) -> None:
         self._plans: collections.OrderedDict = collections.OrderedDict()
@@ -89,6 +92,9 @@ class DecodeBatch:
         # each with the buffers its pieces own (their parameters), freed when ``forget`` drops it:
         self._rows: dict = {}  # (session, row) -> ([before the layers, then one list per layer], owned)
         self._samplers: dict = {}  # (session, row, sampling, masked) -> (the sampler's dispatches, owned)
+        self._slab = None  # the KvSlab of the sessions this batch made (one kind at a time)
+        self._next_page = 0  # page ids of the next slab: no two of this batch's slabs share one
+        self._groups: dict = {}  # (slab, page, B) -> (the page's buffers, per layer its dispatches, their arena)
         self.plans_built = 0
 
     # ---------------------------------------------------------------- a family's pieces
@@ -113,28 +119,73 @@ class DecodeBatch:
     def _layers(self) -> int:
         raise NotImplementedError
 
-    def _grouped(self, rows: tuple, B: int) -> list | None:
-        """Per layer, the dispatches that several of ``rows`` (``BatchRow``s) run together, or
-        None (every row's per-layer work is its own)."""
-        return None
+    def _group(self, plan: Plan, arena: UniformArena, slab, page: int, B: int, layer: int) -> None:
+        """Layer ``layer``'s work of the rows whose caches are in page ``page`` of ``slab``, in one
+        dispatch each (``groups_rows``; after the rows' own pieces of the layer)."""
+        raise NotImplementedError
 
-    def _slot(self, session) -> tuple | None:
-        """(slot in its page, page) of a session whose caches are in one of the batch's slabs."""
-        return None
+    # ---------------------------------------------------------------- the slab
+    def session(self, context=None, kv=None):
+        """A session of the batch's model for the pool that feeds it: with ``groups_rows``, its
+        caches in this batch's slab when it is of the slab's kind (context, chunk, mode) and the
+        slab has a free slot, or when no session holds a slot (a new slab of its kind); else one
+        of its own buffers. A slab session's rows attend with the others of its page."""
+        if not self.groups_rows:
+            return self.model.session(context=context, kv=kv)
+        return self.model.session(context=context, kv=kv, slabs=self.slab_for)
+
+    def slab_for(self, shapes: list, context: int, chunk: int, mode: str):
+        """The slab for a session of this kind, or None (another kind's slab holds sessions, or
+        it is full): so at most ``capacity`` sequences of one kind are allocated ahead."""
+        slab = self._slab
+        if slab is not None and not slab.taken and (slab.context, slab.chunk, slab.mode) != (context, chunk, mode):
+            slab = self._slab = None  # empty (its memory already given back): the new kind's instead
+        if slab is None:
+            slab = self._slab = KvSlab(self.device, shapes, context, chunk, mode, self.capacity,
+                                       name=f"kv_slab.{context}.{mode}", first_page=self._next_page)
+            self._next_page += self.capacity
+        if (slab.context, slab.chunk, slab.mode) != (context, chunk, mode) or len(slab.taken) >= slab.capacity:
+            return None
+        return slab
 
     def idle_slots(self) -> int:
-        """Sequences' worth of KV memory the batch holds for sessions not open (a family that
-        allocates its sessions' caches in pages: a page's free slots)."""
-        return 0
+        """Sequences' worth of KV memory the batch's slab holds for sessions not open (its
+        pages' free slots)."""
+        return 0 if self._slab is None else self._slab.idle_slots
 
     def idle_bytes(self) -> int:
         """The bytes of those slots."""
-        return 0
+        return 0 if self._slab is None else self._slab.idle_slots * self._slab.slot_bytes
 
-    def session(self, context=None, kv=None):
-        """A session of the batch's model for the pool that feeds it (a family may place its
-        caches where the batch's grouped pieces reach them)."""
-        return self.model.session(context=context, kv=kv)
+    def _slot(self, session) -> tuple | None:
+        """(slot in its page, page id) of a session in this batch's slab; None for any other
+        (its own buffers, or another batch's slab: attended on its own)."""
+        slab = session.slab
+        if slab is None or slab is not self._slab or session.slot is None:
+            return None
+        return slab.place(session.slot)
+
+    def _grouped(self, rows: tuple, B: int) -> list | None:
+        """Per layer, the family's ``_group`` once for each slab page the rows' caches are in
+        (None: no row's is)."""
+        pages = list(dict.fromkeys(self._slot(row.session)[1] for row in rows if self._slot(row.session)))
+        if not pages:
+            return None
+        for key in [key for key, held in self._groups.items() if key[0].page_buffers(key[1]) is not held[0]]:
+            del self._groups[key]  # a page given back (and maybe made anew): its dispatches bind freed buffers
+        slab, layers = self._slab, [[] for _ in range(self._layers())]
+        for page in pages:
+            held = self._groups.get((slab, page, B))
+            if held is None:  # its own arena, released with it
+                arena, pieces = UniformArena(self.device, capacity=1 << 16, label=f"uniforms.batch{B}.page{page}"), []
+                for layer in range(self._layers()):
+                    plan = Plan(self.device, f"batch B={B} page {page}")
+                    self._group(plan, arena, slab, page, B, layer)
+                    pieces.append(plan.dispatches)
+                held = self._groups[(slab, page, B)] = (slab.page_buffers(page), pieces, arena)
+            for layer, dispatches in enumerate(held[1]):
+                layers[layer] += dispatches
+        return layers
 
     # ---------------------------------------------------------------- assembly
     def _build(self, key: BatchKey) -> Plan:
@@ -146,10 +197,10 @@ class DecodeBatch:
         start = 0
         for layer, mark in enumerate(marks):
             dispatches += shared[start:mark]
-            if grouped is not None:
-                dispatches += grouped[layer]
             for row in rows:
                 dispatches += row[1 + layer]
+            if grouped is not None:  # after the rows' own work (Needle 3: each row's qkv_post)
+                dispatches += grouped[layer]
             start = mark
         dispatches += shared[start:]
         for b, row in enumerate(key.rows):
@@ -250,6 +301,7 @@ class DecodeBatch:
         return out
 
     def close(self) -> None:
+        self._groups.clear()  # the slab goes with its sessions' slots
         for cache in (self._rows, self._samplers):
             for _, owned in cache.values():
                 self.device.free(owned)

@@ -258,5 +258,6 @@ class DenseGpu:
         once (``models.batch.DecodeBatch``)."""
         return DenseBatch(self, capacity)
 
-    def session(self, context=None, kv="f32") -> "DenseSession":
-        return DenseSession(self, context=context, kv=kv)
+    def session(self, context=None, kv="f32", slabs=None) -> "DenseSession":
+        """``slabs``: a batch's (``DecodeBatch.slab_for``), for the sessions it makes."""
+        return DenseSession(self, context=context, kv=kv, slabs=slabs)

@@ -16,7 +16,6 @@ from ..kernels import attention as attention_ops
 from ..kernels import qmatmul
 from .batch import DecodeBatch
 from .dense_layers import build_layers, embedding_scale, ffn_scratch, head, qkv_width
-from .dense_session import DenseSession
 
 F32 = 4
 ROW_ALIGN = 64  # floats: a row bound on its own starts on a 256-byte boundary (WebGPU's largest
@@ -25,6 +24,8 @@ ROW_ALIGN = 64  # floats: a row bound on its own starts on a 256-byte boundary (
 
 class DenseBatch(DecodeBatch):
     """Scratch rows for ``capacity`` sequences of one ``DenseGpu``."""
+
+    groups_rows = True  # the slab's rows: qk_rope and attention once a layer per page (_group)
 
     def __init__(self, model, capacity: int):
         g = model.geometry
@@ -47,46 +48,6 @@ class DenseBatch(DecodeBatch):
             self.o = s(self.o_stride, "attention")
             ffn_scratch(self, dev, g, B, s)
         self._vectors: dict = {}  # layer -> its qk_rope vectors (norm weights, biases), found by _shared
-        self._slab = None  # the KvSlab of the sessions this batch made (one kind at a time)
-        self._next_page = 0  # page ids of the next slab: no two of this batch's slabs share one
-        self._groups: dict = {}  # (slab, page, B) -> (the page's buffers, per layer its dispatches, their arena)
-
-    def session(self, context=None, kv=None) -> DenseSession:
-        """A session whose caches are in this batch's slab, when it is of the slab's kind (context,
-        chunk, mode) and the slab has a free slot, or when no session holds a slot (a new slab of
-        its kind); else one of its own buffers. Its rows attend with the others' in the slab."""
-        return DenseSession(self.model, context=context, kv=kv, slabs=self.slab_for)
-
-    def idle_slots(self) -> int:
-        return 0 if self._slab is None else self._slab.idle_slots
-
-    def idle_bytes(self) -> int:
-        return 0 if self._slab is None else self._slab.idle_slots * self._slab.slot_bytes
-
-    def slab_for(self, shapes: list, context: int, chunk: int, mode: str):
-        """The slab for a session of this kind, or None (another kind's slab holds sessions, or
-        it is full): so at most ``capacity`` sequences of one kind are allocated ahead."""
-        slab = self._slab
-        if slab is not None and not slab.taken and (slab.context, slab.chunk, slab.mode) != (context, chunk, mode):
-            slab = self._slab = None  # empty (its memory already given back): the new kind's instead
-        if slab is None:
-            slab = self._slab = attention_ops.KvSlab(self.device, shapes, context, chunk, mode, self.capacity,
-                                                     name=f"kv_slab.{context}.{mode}", first_page=self._next_page)
-            self._next_page += self.capacity
-        if (slab.context, slab.chunk, slab.mode) != (context, chunk, mode) or len(slab.taken) >= slab.capacity:
-            return None
-        return slab
-
-    def close(self) -> None:
-        self._groups.clear()
-        super().close()  # the slabs go with their sessions' slots
-
-    def _slot(self, session):
-        """(slot in its page, page id) of a session in this batch's slab; None for any other
-        (its own buffers, or another batch's slab: attended on its own)."""
-        if session.slab is None or session.slab is not self._slab or session.slot is None:
-            return None
-        return session.slab.place(session.slot)
 
     def _layers(self) -> int:
         return self.model.geometry.num_layers
@@ -100,27 +61,6 @@ class DenseBatch(DecodeBatch):
 
         build_layers(plan, arena, m, self, B, mark, gemm=False)
         head(plan, arena, m, self, B, B, gemm=False)
-
-    def _grouped(self, rows: tuple, B: int) -> list | None:
-        """Per layer, qk_rope and attention once for each slab page the rows' caches are in."""
-        pages = list(dict.fromkeys(self._slot(row.session)[1] for row in rows if self._slot(row.session)))
-        if not pages:
-            return None
-        for key in [key for key, held in self._groups.items() if key[0].page_buffers(key[1]) is not held[0]]:
-            del self._groups[key]  # a page given back (and maybe made anew): its dispatches bind freed buffers
-        slab, layers = self._slab, [[] for _ in range(self._layers())]
-        for page in pages:
-            held = self._groups.get((slab, page, B))
-            if held is None:  # its own arena, released with it
-                arena, pieces = UniformArena(self.device, capacity=1 << 16, label=f"uniforms.batch{B}.page{page}"), []
-                for layer in range(self._layers()):
-                    plan = Plan(self.device, f"batch B={B} page {page}")
-                    self._group(plan, arena, slab, page, B, layer)
-                    pieces.append(plan.dispatches)
-                held = self._groups[(slab, page, B)] = (slab.page_buffers(page), pieces, arena)
-            for layer, dispatches in enumerate(held[1]):
-                layers[layer] += dispatches
-        return layers
 
     def _group(self, plan: Plan, arena: UniformArena, slab, page: int, B: int, layer: int) -> None:
         """qk_rope and attention of layer ``layer`` for the B rows whose caches are in ``page``."""

@@ -92,27 +92,20 @@ class DenseSession(ChunkedSession):
         self.o = s(max(g.attn_out, g.d_model if g.conv_layers else 0), "attention")  # lfm2: the gated conv
         self.o_stride = g.attn_out  # floats per attention-output row (a convolution block's rows: d_model)
         ffn_scratch(self, dev, g, T, s)
-        self.slab = None if slabs is None or g.conv_layers else slabs(self.shapes, self.context, T, mode)
-        if self.slab is None:
+        slab = None if slabs is None or g.conv_layers else slabs(self.shapes, self.context, T, mode)
+        if slab is None:
             self.caches = [None if g.is_conv(i) else
                            attention_ops.KvCache(dev, shape, self.context, chunk=T, name=f"kv_cache.{i}", mode=mode)
                            for i, shape in enumerate(self.shapes)]
         attending = [i for i in range(g.num_layers) if not g.is_conv(i)]
-        layouts = self.caches if self.slab is None else self.slab.layouts
+        layouts = self.caches if slab is None else slab.layouts
         self.partials = attention_ops.attention_partials(dev, [self.shapes[i] for i in attending],
                                                          [layouts[i] for i in attending], T)
         self.conv_slots = conv_ops.ring_slots(T, g.conv_taps) if g.conv_layers else 0
         self.conv_rings = {i: dev.buffer(F32 * self.conv_slots * g.d_model, label=f"conv_ring.{i}", kind="kv")
                            for i in g.conv_layers}  # lfm2: each block's b·x rows by position (its state)
-        if self.slab is not None:  # last, so a failure above holds no slot: its rows attend with the batch's
-            self.slot = self.slab.take()
-            self.caches = self.slab.caches(self.slot)
-
-    def close(self) -> None:
-        super().close()
-        if self.slab is not None and self.slot is not None:
-            self.slab.give(self.slot)  # once: its slot's memory goes with the page's last
-            self.slot = None
+        if slab is not None:  # its rows attend with the batch's
+            self.caches = self._take_slot(slab)
 
     def embedding(self, ids: list) -> list:
         """The model's pooling of the final hidden states (after the output norm) over ``ids``,

@@ -197,16 +197,18 @@ class Needle3Gpu:
         """Problems of a file that loaded (non-finite weights); requests refuse to run with any."""
         return self.cact.warnings
 
-    def session(self, context=None, kv=None, confidence=False, heads=(), pad_masked=False) -> "Needle3Session":
+    def session(self, context=None, kv=None, confidence=False, heads=(), pad_masked=False,
+                slabs=None) -> "Needle3Session":
         """A session; ``confidence`` (or ``heads``, manifest codes) runs those probe heads'
         pools alongside every chunk of prefill and decode (§7). ``kv``: None (float numerics:
         "f32"; deploy: the header's kv_bits), "f32" or "int8", and under deploy numerics also
         "cq2", "cq3", "cq4" (``needle_wgpu.models.needle3_numerics.kv_mode``). ``pad_masked``: every
-        pad-dependent term is masked as in upstream's hidden cells (§U a), for the heads' pass."""
+        pad-dependent term is masked as in upstream's hidden cells (§U a), for the heads' pass.
+        ``slabs``: a batch's (``DecodeBatch.slab_for``), for the plain sessions it makes."""
         if self.cact.nonfinite:
             raise NonFiniteWeightsError(f"this model cannot serve requests: {self.cact.warnings[0]}")
         return Needle3Session(self, context=context, kv=kv, confidence=confidence, heads=heads,
-                              pad_masked=pad_masked)
+                              pad_masked=pad_masked, slabs=slabs)
 
     def batch(self, capacity: int) -> "Needle3Batch":
         """Scratch and plans for decode steps of up to ``capacity`` of this model's plain sessions
@@ -225,7 +227,8 @@ class Needle3Session(ChunkedSession):
     supports_mask = True  # the sampler reads self.mask when the plan key says so
     supports_verify = True  # PlanKey.every_position: a sampler after every position
 
-    def __init__(self, model: Needle3Gpu, context=None, kv=None, confidence=False, heads=(), pad_masked=False):
+    def __init__(self, model: Needle3Gpu, context=None, kv=None, confidence=False, heads=(), pad_masked=False,
+                 slabs=None):
         g = model.geometry
         self.model = model
         self.kv_mode = numerics_rules.kv_mode(kv, model.numerics, g.kv_bits)
@@ -288,15 +291,21 @@ class Needle3Session(ChunkedSession):
                 state = dev.buffer(F32 * rows * (g.d_model + 2), label=f"probe_pool.{code}", kind="session",
                                    data=probe_ops.pool_reset_bytes(rows, g.d_model))
                 self.pools[code] = (scores, state)
-        self.caches = [attention_ops.KvCache(dev, attention_ops.needle3_shape(g, i), self.context, self.int8,
-                                             chunk=T, name=f"kv_cache.{i}") for i in range(g.num_layers)]
-        self.partials = attention_ops.attention_partials(
-            dev, [attention_ops.needle3_shape(g, i) for i in range(g.num_layers)], self.caches, T)
+        shapes = [attention_ops.needle3_shape(g, i) for i in range(g.num_layers)]
+        # a batch's plain session (no heads, no pad mask) keeps its caches in the batch's slab
+        plain = not self.pools and not self.pad_masked
+        slab = slabs(shapes, self.context, T, "int8" if self.int8 else "f32") if slabs is not None and plain else None
+        if slab is None:
+            self.caches = [attention_ops.KvCache(dev, shape, self.context, self.int8, chunk=T, name=f"kv_cache.{i}")
+                           for i, shape in enumerate(shapes)]
+        self.partials = attention_ops.attention_partials(dev, shapes, self.caches if slab is None else slab.layouts, T)
         # Stepping back over the last T positions is exact: a local layer's ring holds T − 1
         # slots beyond its window and the conv rings more than T + their taps, so the positions
         # a rewound chunk reads again were never overwritten. The probe pools cannot un-fold.
         self.max_rewind = 0 if self.pools else T
         self.restartable = not self.pools
+        if slab is not None:  # its rows attend with the batch's
+            self.caches = self._take_slot(slab)
 
     @property
     def past_kv_window(self) -> bool:

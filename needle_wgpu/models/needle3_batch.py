@@ -3,8 +3,10 @@ row's embedding, engram section, qkv_post, attention and sampler run on its own 
 
 Per block: the mHC norm and mix, the q|k|v|gate projection, the output projection and the MLP
 once over the B rows (the CQ matmuls give each row the bits it has alone,
-``tests/gpu/test_cq.py``), then per row qkv_post (its conv rings, its position, its cache) and
-attention over its own cache into its attention-output row. Per row before the blocks: its
+``tests/gpu/test_cq.py``), then per row qkv_post (its conv rings, its position, its cache), and
+attention over each row's own cache into its attention-output row: one dispatch for the rows
+whose caches share a page of the batch's ``KvSlab`` (the sessions ``session`` makes: the
+server's pool), one per row for any other session. Per row before the blocks: its
 embedding into its lanes row and its engram keys and values (its own ids, eh scratch and conv
 ring) into its ekv / ev rows. Rows a kernel binds on their own start on 256-byte boundaries.
 """
@@ -26,6 +28,8 @@ ROW_ALIGN = 64  # floats: 256 bytes, WebGPU's largest minStorageBufferOffsetAlig
 class Needle3Batch(DecodeBatch):
     """Scratch rows for ``capacity`` sequences of one ``Needle3Gpu``."""
 
+    groups_rows = True  # the slab's rows: attention once a layer per page (_group), after each row's qkv_post
+
     def __init__(self, model, capacity: int):
         g = model.geometry
         self.model, self.device, self.capacity = model, model.device, capacity
@@ -40,6 +44,7 @@ class Needle3Batch(DecodeBatch):
         pad = lambda width: -(-width // ROW_ALIGN) * ROW_ALIGN
         self.qkvg_stride = pad(g.q_dim + g.k_dim + g.v_dim + g.attn_out)
         self.o_stride = pad(g.attn_out)
+        self.q_stride = pad(g.q_dim)
 
         def s(width, label):
             return dev.buffer(F32 * B * max(1, width), label=f"batch_{label}", kind="scratch")
@@ -51,7 +56,7 @@ class Needle3Batch(DecodeBatch):
             self.state = mhc_ops.mhc_state(dev, B, d, n, label="batch_mhc_state")
             self.hh = s(_pad(d, G), "hh")
             self.qkvg = s(self.qkvg_stride, "qkvg")
-            self.q = dev.buffer(F32 * g.q_dim, label="batch_q", kind="scratch")  # one row: used row by row
+            self.q = s(self.q_stride, "q")
             self.o = s(self.o_stride, "o")
             self.oh = s(_pad(g.attn_out, G), "oh")
             self.a = s(d, "a")
@@ -89,11 +94,24 @@ class Needle3Batch(DecodeBatch):
         shape = attention_ops.needle3_shape(g, layer)
         cache = session.caches[layer]
         qkvg = Binding(self.qkvg, F32 * b * self.qkvg_stride, F32 * self.qkvg_stride)
+        q_row = Binding(self.q, F32 * b * self.q_stride, F32 * g.q_dim)
         attention_ops.qkv_post(plan, arena, step, shape=shape, layer=kept, fp16_store=m.fp16, qkvg=qkvg,
-                               ring=session.qkv_rings[layer], ring_size=session.ring, q_out=self.q, cache=cache,
+                               ring=session.qkv_rings[layer], ring_size=session.ring, q_out=q_row, cache=cache,
                                positions=1, int8=session.int8, q_quant=m.deploy and not session.int8,
                                kv_levels=session.kv_levels)
+        if self._slot(session) is not None:  # attended with its page's rows (_group)
+            return
         o_row = Binding(self.o, F32 * b * self.o_stride, F32 * g.attn_out)
-        attention_ops.attention(plan, arena, step, shape=shape, q=self.q, cache=cache, gate=qkvg, o=o_row,
+        attention_ops.attention(plan, arena, step, shape=shape, q=q_row, cache=cache, gate=qkvg, o=o_row,
                                 positions=1, int8=session.int8, partials=session.partials,
                                 label=f"attention {layer}.{b}")
+
+    def _group(self, plan: Plan, arena: UniformArena, slab, page: int, B: int, layer: int) -> None:
+        """Attention of layer ``layer`` for the B rows whose caches are in ``page`` (each row's
+        qkv_post ran before, into its q row and its slot's cache)."""
+        g = self.model.geometry
+        rows = attention_ops.Sequences(Binding(self.sequences), self.capacity, page)
+        attention_ops.attention(plan, arena, Binding(self.sequences, 0, 16), shape=slab.shapes[layer], q=self.q,
+                                cache=slab.page_cache(page, layer), gate=self.qkvg, gate_stride=self.qkvg_stride,
+                                o=self.o, positions=B, q_stride=self.q_stride, o_stride=self.o_stride,
+                                partials=slab.partials, sequences=rows, label=f"attention {layer} page {page}")

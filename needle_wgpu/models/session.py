@@ -75,6 +75,9 @@ class ChunkedSession:
     # new sequence never sees the old one. False where a family keeps state that is not by
     # position (Needle 3's probe pools).
     restartable: bool = True
+    # the batch's ``KvSlab`` holding this session's caches (``DecodeBatch.session``) and its slot
+    slab = None
+    slot = None
     supports_verify = False  # a family whose plans honour ``PlanKey.every_position``
     supports_mask = False  # a family whose plans pass ``self.mask`` to the sampler when key.mask
 
@@ -116,6 +119,13 @@ class ChunkedSession:
     def _build(self, key: PlanKey) -> Plan:
         """The family's forward of one chunk (``key.positions`` positions from pos0)."""
         raise NotImplementedError
+
+    def _take_slot(self, slab) -> list:
+        """A slot of a batch's ``slab`` for this session's caches, returned by layer: the last
+        step of a family's ``__init__`` (a failure before it holds no slot); ``close`` gives it
+        back, once."""
+        self.slab, self.slot = slab, slab.take()
+        return slab.caches(self.slot)
 
     def _plan(self, key: PlanKey) -> Plan:
         """The cached plan of ``key``, built at its first use. At most ``MAX_PLANS`` are kept: a
@@ -372,3 +382,6 @@ class ChunkedSession:
         owned += [value for value in vars(self).values() if isinstance(value, Buffer)]  # made lazily elsewhere
         self.device.free(owned)
         owned.clear()
+        if self.slab is not None and self.slot is not None:
+            self.slab.give(self.slot)  # its slot's memory goes with its page's last
+            self.slot = None

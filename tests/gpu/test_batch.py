@@ -219,13 +219,46 @@ NEEDLE3_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("capacity", [2, 3])
-def test_needle3_batched_ids_are_the_ids_alone(needle3_tiny, capacity):
+@pytest.mark.parametrize("capacity, slab", [(2, False), (3, True), (3, "mixed")])
+def test_needle3_batched_ids_are_the_ids_alone(needle3_tiny, capacity, slab):
     gpu = needle3_tiny.gpu
     expected = [alone(gpu, prompt, sampling, steps) for prompt, sampling, steps, _ in NEEDLE3_REQUESTS]
-    got, built = batched(gpu, NEEDLE3_REQUESTS, capacity, slab=capacity == 3)  # the batch's sessions: its own
+    got, built = batched(gpu, NEEDLE3_REQUESTS, capacity, slab=slab)
     assert got == expected
     assert built >= 2
+
+
+@pytest.mark.parametrize("kv", ["int8", "f32"])
+def test_needle3_slab_rows_attend_in_one_dispatch_a_layer(needle3_tiny, kv):
+    """Needle 3's plain sessions made by the batch share its slab (int8 or f32 caches): each
+    row's qkv_post writes its slot, then one attention dispatch a layer takes the rows; the ids
+    are those alone."""
+    gpu = needle3_tiny.gpu
+    layers = len(gpu.rung.blocks)
+    prompts = ([1, 5, 9, 13], [2, 7, 30], [40, 41, 42])
+    expected = []
+    for prompt in prompts:
+        session = gpu.session(context=CONTEXT, kv=kv)
+        try:
+            expected.append([session.prefill(prompt, Sampling())] + [session.step(Sampling()) for _ in range(5)])
+        finally:
+            session.close()
+    batch = gpu.batch(3)
+    sessions = [batch.session(context=CONTEXT, kv=kv) for _ in prompts]
+    try:
+        assert all(session.slab is sessions[0].slab is not None for session in sessions)
+        got = [[session.prefill(prompt, Sampling())] for session, prompt in zip(sessions, prompts)]
+        for _ in range(5):
+            for out, token in zip(got, batch.step([StepRequest(session, Sampling()) for session in sessions])):
+                out.append(token)
+        assert got == expected
+        labels = [d.label for d in next(reversed(batch._plans.values())).dispatches]
+        assert sum(label.split()[0] == "attention" for label in labels) == layers
+        assert sum(label.split()[0] == "qkv_post" for label in labels) == 3 * layers
+    finally:
+        for session in sessions:
+            session.close()
+        batch.close()
 
 
 def test_smollm2_batched_ids_are_the_ids_alone(smollm2):
