@@ -13,16 +13,16 @@ A family provides ``GpuModel.batch(rows)``: a ``DecodeBatch`` subclass that buil
 of pieces (lists of dispatches), each once: ``_shared(B, ...)`` the rows' common work for a
 batch of B (its ``attend`` callback marks where each layer's per-sequence work goes),
 ``_row(session, b)`` what row b does as that session (before the layers, then per layer),
-``_grouped(rows, B)`` per layer the work that rows do together (the dense family: qk_rope and
-attention of the rows whose caches share a ``KvSlab`` page, one dispatch each), and
-``_sample(...)`` each row's sampler. A composition (``BatchKey``) is these pieces put in order, so
+``_group(slab, page, B, layer)`` a layer's work that the rows whose caches share a page of the
+batch's ``KvSlab`` do together (``groups_rows``; the dense family: qk_rope and attention, one
+dispatch each; Needle 3: attention), and ``_sample(...)`` each row's sampler. A composition (``BatchKey``) is these pieces put in order, so
 a sequence that joins or leaves costs no new pipeline or bind group once its pieces exist; the
 assembled plans are cached too (bounded, least recently used out).
 
 Before each step the batch writes its ``sequences`` table (a uniform, 16 bytes a row: the row's
 position, and its slot and page in a ``KvSlab``, ``attention.Sequences``), which the grouped
-pieces read; ``session(context, kv)`` makes the sessions a pool hands to the batch (the dense
-family's caches in the batch's slabs).
+pieces read; ``session(context, kv)`` makes the sessions a pool hands to the batch (their caches
+in the batch's slab).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ with each row's embedding gather, qk_rope, attention and sampler run on its own 
 Per layer: the norms, q/k/v, Wo and the FFN once over the B rows (q_matmul's GEMV over B
 positions: each row summed exactly as a solo step sums it), then qk_rope (each row's q/k/v row,
 its position, its cache) and attention over each row's own cache into its attention-output row:
-one dispatch each for the rows whose caches share a page of one of the batch's ``KvSlab``s (the
-sessions ``DenseBatch.session`` makes: the server's pool), one per row for any other session.
+one dispatch each for the rows whose caches share a page of the batch's ``KvSlab`` (the
+sessions the batch's ``session`` makes: the server's pool), one per row for any other session.
 """
 
 from __future__ import annotations

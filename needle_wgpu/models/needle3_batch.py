@@ -109,7 +109,6 @@ class Needle3Batch(DecodeBatch):
     def _group(self, plan: Plan, arena: UniformArena, slab, page: int, B: int, layer: int) -> None:
         """Attention of layer ``layer`` for the B rows whose caches are in ``page`` (each row's
         qkv_post ran before, into its q row and its slot's cache)."""
-        g = self.model.geometry
         rows = attention_ops.Sequences(Binding(self.sequences), self.capacity, page)
         attention_ops.attention(plan, arena, Binding(self.sequences, 0, 16), shape=slab.shapes[layer], q=self.q,
                                 cache=slab.page_cache(page, layer), gate=self.qkvg, gate_stride=self.qkvg_stride,
