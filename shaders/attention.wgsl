@@ -281,8 +281,10 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
   workgroupBarrier();
   let seen = tile_slots(t0);
 
-  let g = lid / V_QUADS;  // key group
-  let c = lid % V_QUADS;  // value quad
+  // The key groups alternate along the invocations, so that the 8 invocations lavapipe runs as one
+  // vector read the values of 4 keys at a time, not 2 (more reads in flight from memory).
+  let g = lid % KEY_GROUPS;  // key group
+  let c = lid / KEY_GROUPS;  // value quad (none when c >= V_QUADS: THREADS not a multiple of V_QUADS)
   var acc: array<vec4<f32>, ROWS>;
   for (var r = 0u; r < ROWS; r++) {
     acc[r] = vec4<f32>(0.0);
@@ -377,7 +379,7 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
     workgroupBarrier();
     // 4. Weighted values: quad c of every row over the key quads ≡ g (mod KEY_GROUPS), each
     //    value read once for all rows (a key past the block's keys has weight 0).
-    if (g < KEY_GROUPS) {
+    if (c < V_QUADS) {
       for (var r = 0u; r < ROWS; r++) {
         acc[r] *= row_rescale[r];
       }
@@ -408,7 +410,7 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
   }
 
   // The key groups' sums, added in group order: scores holds [ROWS][KEY_GROUPS][V_QUADS] quads.
-  if (g < KEY_GROUPS) {
+  if (c < V_QUADS) {
     for (var r = 0u; r < ROWS; r++) {
       scores[(r * KEY_GROUPS + g) * V_QUADS + c] = acc[r];
     }
