@@ -56,11 +56,20 @@
 // order in every mode, so an f16 cache of halves gives the bits of an f32 cache holding the
 // same values.
 //
+// On lavapipe a read is a loop over the 8 lanes of a vector, so only a few reads are in flight
+// from memory at once: it pays to read in one loop from as many memory lines as possible. The
+// K rows are read so (8 lanes, 8 keys); for the values, the key groups alternate along the
+// invocations (8 lanes: 4 keys), and with TOUCH_VALUES (a CPU adapter) step 1 also reads one
+// word of each 64-byte line of its 4 keys' V rows, so that the values come from memory with the
+// keys, 8 lanes at a time, and step 4 finds them in the cache. Those words only meet `zero`, a
+// uniform 0 the compiler cannot fold: the bits are the same either way.
+//
 // Constants: KV_MODE (0 f32, 1 int8, 2 f16), GATE, PAD_MASK (bool), QK_DIM, K_ROW, V_DIM,
 // V_ROW, QUADS (f32 rows of whole vec4s), GROUP (query heads per kv head), BLOCK (keys per
-// block: 4 per invocation, 256), HEAD_TILE, HEAD_TILES (GROUP / HEAD_TILE rounded up), QUERY_TILE,
-// SPLITS, SPLIT_BLOCKS, SEQUENCES and SEQ_ROWS (see above). Loop bounds are constants where they can be: lavapipe recompiles a
-// shader at every dispatch whose control flow depends on uniform values alone.
+// block: 4 per invocation, 256), HEAD_TILE, HEAD_TILES (GROUP / HEAD_TILE rounded up),
+// QUERY_TILE, SPLITS, SPLIT_BLOCKS, SEQUENCES and SEQ_ROWS, TOUCH_VALUES (see above). Loop
+// bounds are constants where they can be: lavapipe recompiles a shader at every dispatch whose
+// control flow depends on uniform values alone.
 
 struct Params {
   heads: u32,
@@ -80,7 +89,7 @@ struct Params {
   scale: f32,         // the score scale
   slot_words: u32,    // SEQUENCES: words between the slots of a page (a slot's cache at slot · slot_words)
   page: u32,          // SEQUENCES: the page whose rows this dispatch takes
-  _pad0: u32,
+  zero: u32,          // 0, which the compiler cannot know (TOUCH_VALUES)
   _pad1: u32,
   _pad2: u32,
 }
@@ -114,7 +123,6 @@ var<workgroup> query: array<vec4<f32>, ROWS * Q_QUADS>;  // the tile's queries, 
 // A block's scores, then its exponentials, by quads of keys ([ROWS][KEY_QUADS]); at the end the
 // weighted values of the key groups.
 var<workgroup> scores: array<vec4<f32>, ROWS * KEY_QUADS>;
-var<workgroup> key_row: array<vec4<u32>, KEY_QUADS>;     // slot · kv_heads + kv
 var<workgroup> value_scale: array<vec4<f32>, KEY_QUADS>; // int8: the key's V scale
 var<workgroup> lane_rows: array<f32, ROWS * THREADS>;  // per row and invocation: its block max, at the end its sum
 var<workgroup> row_max: array<f32, ROWS>;
@@ -281,8 +289,6 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
   workgroupBarrier();
   let seen = tile_slots(t0);
 
-  // The key groups alternate along the invocations, so that the 8 invocations lavapipe runs as one
-  // vector read the values of 4 keys at a time, not 2 (more reads in flight from memory).
   let g = lid % KEY_GROUPS;  // key group
   let c = lid / KEY_GROUPS;  // value quad (none when c >= V_QUADS: THREADS not a multiple of V_QUADS)
   var acc: array<vec4<f32>, ROWS>;
@@ -315,11 +321,18 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
       let last = keys - 1u;  // a key past the cache's slots reads the last one's row (masked)
       let k = vec4<u32>(k0 + min(i, last), k0 + min(i + 1u, last), k0 + min(i + 2u, last), k0 + min(i + 3u, last));
       let rows = k * params.kv_heads + kv;
-      key_row[lid] = rows;
       var k_x = key_quads(k_at + rows.x * K_ROW);
       var k_y = key_quads(k_at + rows.y * K_ROW);
       var k_z = key_quads(k_at + rows.z * K_ROW);
       var k_w = key_quads(k_at + rows.w * K_ROW);
+      if (TOUCH_VALUES) {  // a word of each 64-byte line of the 4 keys' V rows, ahead of step 4
+        var touched = 0u;
+        let v_rows = v_at0 + rows * V_ROW;
+        for (var line = 0u; line < V_ROW; line += 16u) {
+          touched |= cache[v_rows.x + line] | cache[v_rows.y + line] | cache[v_rows.z + line] | cache[v_rows.w + line];
+        }
+        masks |= vec4<u32>(touched & params.zero);  // (0: the reads stay, nothing changes)
+      }
       var key_scale = vec4<f32>(1.0);
       if (KV_MODE == KV_INT8) {
         key_scale = vec4<f32>(bitcast<f32>(cache[k_scale_at + rows.x]), bitcast<f32>(cache[k_scale_at + rows.y]),
@@ -384,7 +397,8 @@ fn partial(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wg:
         acc[r] *= row_rescale[r];
       }
       for (var n = g; 4u * n < keys; n += KEY_GROUPS) {
-        let rows_n = key_row[n];
+        // the cache rows of keys 4n .. 4n + 3, as step 1 has them
+        let rows_n = (k0 + min(4u * n + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(keys - 1u))) * params.kv_heads + kv;
         let v_at = v_at0 + rows_n * V_ROW;
         var v_x = quad(v_at.x, c, V_DIM, V_ROW);
         var v_y = quad(v_at.y, c, V_DIM, V_ROW);

@@ -495,8 +495,8 @@ def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_byte
     blocks = -(-cache.slots // BLOCK)
     split_blocks = max(-(-cache.range_keys // BLOCK), -(-blocks // MAX_SPLITS))
     splits = -(-blocks // split_blocks)
-    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 2 words
-    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - 2 * BLOCK
+    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 1 word
+    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - BLOCK
     rows = min(MAX_ROWS, budget // (4 * -(-shape.qk_dim // 4) + BLOCK + 70))
     if rows < 1:
         raise UnsupportedModelError(f"attention: a {shape.qk_dim}-wide query row exceeds the workgroup memory")
@@ -557,7 +557,8 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
     ``sequences``, ``step`` again, never read). Workgroups: (splits, KV · head tiles, query
     tiles), 64 invocations. Entry ``merge`` (with several ranges): bindings 0, 4, 5, 7 and 9;
     workgroups (H, T). Constants: KV_MODE (``cache.mode_code``), GATE, PAD_MASK, QK_DIM, K_ROW,
-    V_DIM, GROUP, the ``Tiling``, SEQUENCES and SEQ_ROWS.
+    V_DIM, GROUP, the ``Tiling``, SEQUENCES, SEQ_ROWS and TOUCH_VALUES (on a CPU adapter: the
+    values' memory lines are read ahead, with the keys; the bits are the same).
 
     With ``sequences`` the T = ``positions`` queries are a batch's rows, each a sequence of its
     own (a decode step each): query t is at its table row's position and reads the cache at its
@@ -585,7 +586,8 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
               ("HEAD_TILES", tiles.head_tiles), ("QUERY_TILE", tiles.query_tile), ("BLOCK", BLOCK),
               ("SPLITS", tiles.splits), ("SPLIT_BLOCKS", tiles.split_blocks),
               ("SOFTCAP", f32(sh.softcap)), ("SOFTCAP_INV", f32(1.0 / f32(sh.softcap)) if sh.softcap else 0.0),
-              ("SEQUENCES", sequences is not None), ("SEQ_ROWS", 1 if sequences is None else sequences.rows))
+              ("SEQUENCES", sequences is not None), ("SEQ_ROWS", 1 if sequences is None else sequences.rows),
+              ("TOUCH_VALUES", plan.device.software_rasterizer))
     key = KernelKey("attention", "partial", consts)
     at = cache.relative() if sequences is not None else dict(k_at=cache.k_at, v_at=cache.v_at,
                                                              k_scale_at=cache.k_scale_at, v_scale_at=cache.v_scale_at)
@@ -595,7 +597,7 @@ def attention(plan: Plan, arena: UniformArena, step, *, shape: AttentionShape, q
         gate_offset=width if gate_offset is None else gate_offset, o_stride=o_stride or sh.out_width,
         k_at=at["k_at"], v_at=at["v_at"], k_scale_at=at["k_scale_at"], v_scale_at=at["v_scale_at"],
         acc_at=2 * positions * sh.heads * tiles.splits, scale=sh.score_scale, slot_words=cache.slot_words,
-        page=0 if sequences is None else sequences.page)
+        page=0 if sequences is None else sequences.page, zero=0)
     gates = gate if sh.gate else q
     table = step if sequences is None else sequences.table
     # one pass: a binding never written, but not o again (WebGPU forbids writable aliases)
