@@ -5,6 +5,8 @@ every kind leave the device's live bytes where the first one left them. And a de
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 import needle_wgpu
@@ -31,6 +33,9 @@ def needle3(fixture_dir, device):
 
 
 def live(model) -> int:
+    """The device's live bytes once every unreachable object is collected (an earlier test's
+    session, say, whose buffers go when the collector next runs), so a level never drops later."""
+    gc.collect()
     return model.gpu.device.counters.live_bytes
 
 
