@@ -45,8 +45,9 @@ def entries_of(rng, shape, mode, n):
     return (k, v)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_long_positions_and_edges(device, name):
+def prepared(device, name):
+    """Case ``name``'s cache, filled, its queries and ``run_attention``'s options, with what the
+    reference needs (entries, positions, pad keep mask, the raw gate rows)."""
     shape, mode, context, pos0, T, pads, range_keys = CASES[name]
     rng = np.random.default_rng(len(name))
     n = pos0 + T
@@ -69,6 +70,14 @@ def test_long_positions_and_edges(device, name):
         ids[pos0] = 0  # a query at a pad still sees the keys before it
         keep = ids[:n] != 0
         options["pad_tokens"] = upload(device, ids.astype(np.uint32), "tokens")
+    return cache, q, options, entries, positions, keep, raw
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_long_positions_and_edges(device, name):
+    shape, mode, context, pos0, T, pads, range_keys = CASES[name]
+    cache, q, options, entries, positions, keep, raw = prepared(device, name)
+    width = shape.q_width + shape.k_width + shape.v_width
     tiles = ops.tiling(shape, cache, T)
     assert (tiles.splits > 1) == (range_keys < context), "the case must merge ranges, or be one pass"
     got = run_attention(device, shape, cache, q, pos0, **options)
@@ -90,6 +99,24 @@ def test_long_positions_and_edges(device, name):
             step_options["gate"] = upload(device, raw[t : t + 1], "qkvg")
         one = run_attention(device, shape, cache, q[t : t + 1], pos0 + t, **step_options)
         np.testing.assert_array_equal(one[0], got[t])
+
+
+@pytest.mark.parametrize("name", ["f32-global-4096", "f16-window-ring", "int8-gate-pads-edges", "odd-widths"])
+def test_values_read_ahead_give_the_same_bits(device, name):
+    """A CPU adapter's kernel reads each V row's memory lines ahead, with the keys
+    (TOUCH_VALUES); a GPU's does not. The words read only meet a uniform zero: both give the same
+    bits, a chunk and a decode step alike."""
+    shape, mode, context, pos0, T, pads, range_keys = CASES[name]
+    cache, q, options, *_ = prepared(device, name)
+    saved, outputs = device.software_rasterizer, []
+    try:
+        for software in (True, False):
+            device.software_rasterizer = software
+            outputs.append(run_attention(device, shape, cache, q, pos0, **options))
+    finally:
+        device.software_rasterizer = saved
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert np.isfinite(outputs[0]).all()
 
 
 def test_tiling_follows_the_cache():
