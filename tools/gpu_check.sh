@@ -47,6 +47,9 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention.py
   tests/gpu/test_sample.py tests/gpu/test_rounds.py tests/gpu/test_model.py tests/gpu/test_dense_model.py \
   tests/gpu/test_batch.py > "$OUT/parity.txt" 2>&1
 log "parity: $(tail -1 "$OUT/parity.txt")"
+# 30 layers' decode attention alone at 128 / 1,024 / 4,096 keys (SmolLM2's shape).
+timeout 60 python3 tests/bench_attention_layers.py --runs 30 > "$OUT/attention_layers.txt" 2>&1
+log "attention layers: $(tail -1 "$OUT/attention_layers.txt")"
 
 python3 - <<'PY' > "$OUT/bench.json" 2>> "$OUT/log.txt"
 import json, os, sys, tempfile, time
