@@ -42,7 +42,7 @@ python3 -c "import needle_wgpu.gpu as g; d = g.open_device(); print(d.adapter_na
   | tee "$OUT/adapter.txt"
 
 # Parity on the real GPU: kernels against their NumPy references, multi-token decoding, both families.
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention.py tests/gpu/test_attention_dense.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention.py tests/gpu/test_attention_dense.py \
   tests/gpu/test_attention_long.py tests/gpu/test_qmatmul.py \
   tests/gpu/test_sample.py tests/gpu/test_rounds.py tests/gpu/test_model.py tests/gpu/test_dense_model.py \
   tests/gpu/test_batch.py > "$OUT/parity.txt" 2>&1

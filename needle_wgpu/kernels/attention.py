@@ -495,8 +495,9 @@ def tiling(shape: AttentionShape, cache: KvCache, positions: int, workgroup_byte
     blocks = -(-cache.slots // BLOCK)
     split_blocks = max(-(-cache.range_keys // BLOCK), -(-blocks // MAX_SPLITS))
     splits = -(-blocks // split_blocks)
-    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 1 word
-    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - BLOCK
+    # workgroup memory: per row its query (in vec4s), a block of scores, 64 + 6 words; per key 1
+    # word; and up to 3 words of each of the 6 per-row arrays, which WebGPU rounds up to 16 bytes
+    budget = min(WORKGROUP_BYTES, workgroup_bytes) // 4 - BLOCK - 6 * 3
     rows = min(MAX_ROWS, budget // (4 * -(-shape.qk_dim // 4) + BLOCK + 70))
     if rows < 1:
         raise UnsupportedModelError(f"attention: a {shape.qk_dim}-wide query row exceeds the workgroup memory")

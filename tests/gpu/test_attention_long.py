@@ -105,7 +105,7 @@ def test_long_positions_and_edges(device, name):
 def test_values_read_ahead_give_the_same_bits(device, name):
     """A CPU adapter's kernel reads each V row's memory lines ahead, with the keys
     (TOUCH_VALUES); a GPU's does not. The words read only meet a uniform zero: both give the same
-    bits, a chunk and a decode step alike."""
+    bits."""
     shape, mode, context, pos0, T, pads, range_keys = CASES[name]
     cache, q, options, *_ = prepared(device, name)
     saved, outputs = device.software_rasterizer, []
@@ -134,6 +134,23 @@ def test_tiling_follows_the_cache():
     assert ops.partials_floats(shape, Cache(256), 64) == 0
     assert ops.partials_floats(shape, Cache(1024), 64) == 64 * 9 * 4 * 66
     assert ops.tiling(shape, Cache(4096, range_keys=4096), 1).splits == 1  # a CPU adapter's: one pass
+
+
+def test_tile_fits_the_workgroup_memory():
+    """The tile's workgroup variables, as attention.wgsl declares them and WebGPU counts them (each
+    rounded up to 16 bytes), fit the 16 KiB every adapter offers, for every query width."""
+    class Cache:
+        slots, range_keys = 4096, ops.SPLIT_KEYS
+
+    for qk in range(1, 257):
+        for positions in (1, 5, 64):
+            rows = ops.tiling(AttentionShape(32, 1, qk, 64), Cache(), positions).rows
+            words = (rows * 4 * -(-qk // 4)       # query: vec4s of each row
+                     + rows * ops.BLOCK           # scores: a block's vec4s of 4 keys, each row
+                     + ops.BLOCK                  # value_scale: a vec4 each 4 keys
+                     + rows * 64                  # lane_rows: per row and invocation
+                     + 6 * 4 * -(-rows // 4))     # row_max, _rescale, _sum, _pos, _phase, _span
+            assert 4 * words <= ops.WORKGROUP_BYTES, (qk, positions, rows)
 
 
 def test_cpu_adapter_ranges(device):
